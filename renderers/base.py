@@ -1,0 +1,262 @@
+"""The Renderer base class: the public contract, and the parts every family shares.
+
+A family subclass describes its template as pieces (``_render`` for a whole conversation,
+``_continue`` for new messages after a closed assistant turn) and names its markers; this class
+turns that into ``render``, ``parse_response`` and the append-only ``bridge``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+from .messages import MessageError, normalize_messages, normalize_tools
+from .pieces import Pieces
+from .tokenizer import Tokenizer
+from .types import Break, BreakReason, Bridged, ParsedResponse, RenderedTokens, ToolCall, ToolCallStatus
+
+THINKING_RETENTION = ("keep", "template")
+
+
+class TemplateRejected(ValueError):
+    """The chat template itself rejects this conversation (the reference would raise too)."""
+
+
+class Renderer:
+    """Conversation <-> token ids for one chat template (see docs/renderers.md for the contract).
+
+    ``thinking_retention`` decides what ``bridge`` does when the template would rewrite reasoning
+    the model already sampled: ``"keep"`` (default) extends the tokens the model saw, append-only;
+    ``"template"`` returns a ``Break`` so that the caller re-renders exactly as the template does.
+    """
+
+    name: ClassVar[str]
+    template_hashes: ClassVar[tuple[str, ...]] = ()  # sha256 of the templates the parity tests verified
+    template_kwargs_allowed: ClassVar[dict[str, type]] = {}
+    turn_close: ClassVar[str]  # the special token that closes an assistant turn
+    after_close: ClassVar[str] = ""  # template text between that token and the next message
+    think_tokens: ClassVar[tuple[str, str] | None] = None
+    tool_call_tokens: ClassVar[tuple[str, str] | None] = None
+    extra_stop_tokens: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, tokenizer: Tokenizer, *, thinking_retention: str = "keep", **template_kwargs: Any) -> None:
+        if thinking_retention not in THINKING_RETENTION:
+            raise ValueError(f"thinking_retention must be one of {THINKING_RETENTION}, got {thinking_retention!r}")
+        for key, value in template_kwargs.items():
+            expected = self.template_kwargs_allowed.get(key)
+            if expected is None:
+                allowed = ", ".join(self.template_kwargs_allowed) or "none"
+                raise ValueError(f"renderer {self.name!r} has no template kwarg {key!r} (accepted: {allowed})")
+            if not isinstance(value, expected):
+                raise ValueError(f"template kwarg {key!r} must be {expected.__name__}, got {type(value).__name__}")
+        self.tokenizer = tokenizer
+        self.thinking_retention = thinking_retention
+        self.template_kwargs = template_kwargs
+        self.turn_close_id = tokenizer.token_id(self.turn_close)
+        stops = [self.turn_close_id] + [tokenizer.added_tokens[t] for t in self.extra_stop_tokens if t in tokenizer.added_tokens]
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+        self.think_ids = tuple(tokenizer.token_id(t) for t in self.think_tokens) if self.think_tokens else None
+        self.tool_call_ids = tuple(tokenizer.token_id(t) for t in self.tool_call_tokens) if self.tool_call_tokens else None
+
+    @property
+    def template_sha256(self) -> str | None:
+        return self.tokenizer.template_sha256
+
+    # ---- rendering -------------------------------------------------------------------------------
+
+    def render(self, messages: Any, tools: Any = None, add_generation_prompt: bool = False) -> RenderedTokens:
+        """Token ids identical to the template rendered by transformers and encoded with
+        ``add_special_tokens=False``, with per-token attribution. Raises ``ValueError`` (a
+        ``MessageError`` or ``TemplateRejected``) naming the problem."""
+        msgs = normalize_messages(messages)
+        if not msgs:
+            raise MessageError("messages is empty")
+        tool_defs = normalize_tools(tools)
+        p = Pieces(self.tokenizer)
+        self._render(p, msgs, tool_defs, add_generation_prompt)
+        return p.encode()
+
+    def render_ids(self, messages: Any, tools: Any = None, add_generation_prompt: bool = False) -> list[int]:
+        return self.render(messages, tools, add_generation_prompt).token_ids
+
+    def _render(self, p: Pieces, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> None:
+        raise NotImplementedError
+
+    def _continue(self, p: Pieces, msgs: list[dict], tools: list[dict] | None) -> None:
+        """Pieces for ``msgs`` following a closed assistant turn, then the generation prompt."""
+        raise NotImplementedError
+
+    # ---- bridging --------------------------------------------------------------------------------
+
+    def bridge(
+        self, prev_prompt_ids: list[int], prev_completion_ids: list[int], new_messages: Any, tools: Any = None
+    ) -> Bridged | Break:
+        """The next prompt, append-only: prev prompt + prev completion + the new messages + the
+        generation prompt. A completion that ended without closing its turn (truncated) gets the
+        close synthesized as context. Returns a ``Break`` with its reason where that is impossible."""
+        prefix = list(prev_prompt_ids) + list(prev_completion_ids)
+        try:
+            msgs = normalize_messages(new_messages)
+            tool_defs = normalize_tools(tools)
+        except MessageError as exc:
+            return Break(BreakReason.INVALID_MESSAGES, str(exc))
+        if not msgs:
+            return Break(BreakReason.INVALID_MESSAGES, "no new messages to bridge")
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                return Break(
+                    BreakReason.ASSISTANT_IN_NEW_MESSAGES,
+                    f"new message {i} is an assistant message: its tokens were not sampled in this rollout, "
+                    "so they cannot be appended as the model's own",
+                    position=len(prefix),
+                )
+        completion = list(prev_completion_ids)
+        if self.think_ids is not None:
+            if self._ends_in_reasoning(prev_prompt_ids, completion):
+                stopped = bool(completion) and completion[-1] in self.stop_token_ids
+                reason = BreakReason.STOP_INSIDE_REASONING if stopped else BreakReason.TRUNCATED_INSIDE_REASONING
+                what = "sampled a stop token" if stopped else "was cut off"
+                return Break(reason, f"the completion {what} inside an unclosed reasoning block", position=len(prefix))
+        brk = self._family_break(list(prev_prompt_ids), completion, msgs)
+        if brk is not None:
+            return brk
+        closing = [] if completion and completion[-1] == self.turn_close_id else [self.turn_close_id]
+        prefix_closed = prefix + closing
+        if not prefix_closed or prefix_closed[-1] not in self.tokenizer.special_ids:
+            return Break(BreakReason.NO_SPECIAL_TOKEN_ANCHOR, "the previous tokens do not end on a special token", len(prefix))
+        p = Pieces(self.tokenizer)
+        if self.after_close:
+            p.scaffold(self.after_close)
+        try:
+            self._continue(p, msgs, tool_defs)
+        except ValueError as exc:
+            return Break(BreakReason.TEMPLATE_ERROR, str(exc), len(prefix))
+        tail = p.encode()
+        n = len(closing)
+        appended = RenderedTokens(
+            token_ids=closing + tail.token_ids,
+            message_indices=[-1] * n + tail.message_indices,
+            sampled_mask=[False] * n + tail.sampled_mask,
+            is_content=[False] * n + tail.is_content,
+        )
+        return Bridged(token_ids=prefix + appended.token_ids, prefix_len=len(prefix), appended=appended, synthesized=n)
+
+    def _family_break(self, prompt_ids: list[int], completion: list[int], msgs: list[dict]) -> Break | None:
+        """Family hook: a Break when, under ``thinking_retention="template"``, the template would
+        rewrite tokens that are already in the prefix."""
+        return None
+
+    def _ends_in_reasoning(self, prompt_ids: list[int], completion: list[int]) -> bool:
+        open_id, close_id = self.think_ids  # type: ignore[misc]
+        inside = self._prompt_opens_reasoning(prompt_ids)
+        for tid in completion:
+            if tid == open_id:
+                inside = True
+            elif tid == close_id:
+                inside = False
+        return inside
+
+    def _prompt_opens_reasoning(self, prompt_ids: list[int] | None) -> bool:
+        """True when the prompt's last turn opened a reasoning block that the completion continues."""
+        if not prompt_ids or self.think_ids is None:
+            return False
+        open_id, close_id = self.think_ids
+        for tid in reversed(prompt_ids):
+            if tid == open_id:
+                return True
+            if tid == close_id or tid == self.turn_close_id:
+                return False
+        return False
+
+    # ---- parsing ---------------------------------------------------------------------------------
+
+    def parse_response(
+        self, completion_ids: list[int], prompt_ids: list[int] | None = None, tools: Any = None
+    ) -> ParsedResponse:
+        """Split a completion into reasoning, content and tool calls by scanning its token ids."""
+        tool_names = _tool_names(normalize_tools(tools))
+        open_think, close_think = self.think_ids or (None, None)
+        open_call, close_call = self.tool_call_ids or (None, None)
+        in_reasoning = self._prompt_opens_reasoning(prompt_ids)
+        saw_reasoning = in_reasoning
+        reasoning: list[int] = []
+        content: list[int] = []
+        calls: list[ToolCall] = []
+        call_start: int | None = None
+        stop: int | None = None
+        ids = list(completion_ids)
+        end = len(ids)
+        for i, tid in enumerate(ids):
+            if tid in self.stop_token_ids:
+                stop, end = tid, i
+                break
+            if call_start is not None:
+                if tid == close_call:
+                    calls.append(self._parse_call(ids[call_start + 1 : i], (call_start, i + 1), tool_names))
+                    call_start = None
+                continue
+            if tid == open_think and not in_reasoning:
+                in_reasoning = saw_reasoning = True
+            elif tid == close_think:
+                if not in_reasoning and not saw_reasoning:
+                    reasoning, content = content, []  # a close with no open: what came before was reasoning
+                in_reasoning = False
+                saw_reasoning = True
+            elif in_reasoning:
+                reasoning.append(tid)
+            elif tid == open_call:
+                call_start = i
+            else:
+                content.append(tid)
+        if call_start is not None:
+            call = self._parse_call(ids[call_start + 1 : end], (call_start, end), tool_names)
+            call.status, call.error = ToolCallStatus.UNCLOSED, "the completion ended inside this tool call"
+            calls.append(call)
+        decode = self.tokenizer.decode
+        return ParsedResponse(
+            content=decode(content).strip(),
+            reasoning_content=decode(reasoning).strip() if saw_reasoning else None,
+            tool_calls=calls,
+            reasoning_complete=(not in_reasoning) if saw_reasoning else None,
+            stop_token_id=stop,
+        )
+
+    def _parse_call(self, body_ids: list[int], span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
+        return parse_json_call(self.tokenizer.decode(body_ids), span, tool_names)
+
+
+def _tool_names(tools: list[dict] | None) -> set[str] | None:
+    if not tools:
+        return None
+    return {t.get("function", t).get("name") for t in tools}
+
+
+def parse_json_call(raw: str, span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
+    """A ``{"name": ..., "arguments": {...}}`` tool call body, with a status instead of an exception.
+
+    Arguments that arrive double-encoded (a JSON string holding an object) are decoded once, a
+    failure mode of real models; anything else that is not an object is ``invalid_arguments``.
+    """
+    text = raw.strip()
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        return ToolCall(None, None, ToolCallStatus.INVALID_JSON, span, raw, f"not JSON: {exc}")
+    if not isinstance(obj, dict):
+        return ToolCall(None, None, ToolCallStatus.NOT_AN_OBJECT, span, raw, f"expected an object, got {type(obj).__name__}")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "no string 'name' field")
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            decoded = json.loads(args)
+        except ValueError:
+            decoded = None
+        if isinstance(decoded, dict):
+            args = decoded
+    if not isinstance(args, dict):
+        return ToolCall(name, None, ToolCallStatus.INVALID_ARGUMENTS, span, raw, f"arguments must be an object, got {type(args).__name__}")
+    if tool_names is not None and name not in tool_names:
+        return ToolCall(name, args, ToolCallStatus.UNKNOWN_TOOL, span, raw, f"no tool named {name!r} was offered")
+    return ToolCall(name, args, ToolCallStatus.OK, span, raw)

@@ -1,0 +1,136 @@
+"""OpenAI chat messages -> the plain dicts a chat template sees.
+
+The contract (also what the parity tests hand to transformers' ``apply_chat_template``):
+
+- ``role`` is one of system / user / assistant / tool; anything else is an error.
+- ``content`` is a string, a list of text parts (joined with ``"\\n"``, as vLLM does for
+  string-content templates) or ``None``. ``None`` is dropped from the dict, as transformers does,
+  so a template sees the key as undefined.
+- ``reasoning_content`` (``reasoning`` and ``thinking`` are accepted too) is kept only when it is a
+  non-empty string.
+- ``tool_calls`` entries become ``{"id"?, "type": "function", "function": {"name", "arguments"}}``;
+  the flat ``{"name", "arguments"}`` form is accepted. ``arguments`` stays as given (a dict or a
+  JSON string) because templates render the two differently.
+- ``tool_call_id`` and ``name`` are kept when they are strings.
+
+Every problem raises :class:`MessageError` (a ``ValueError``) naming the message index and field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool")
+_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+_KNOWN_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name", *_REASONING_KEYS}
+
+
+class MessageError(ValueError):
+    """A message or tool definition that tito cannot render; the text names the problem."""
+
+
+def _text(value: Any, where: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for j, part in enumerate(value):
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise MessageError(f"{where}[{j}]: only text parts are supported, got {kind!r}")
+        return "\n".join(texts)
+    raise MessageError(f"{where} must be a string, a list of text parts or null, got {type(value).__name__}")
+
+
+def _tool_call(call: Any, where: str) -> dict:
+    if not isinstance(call, Mapping):
+        raise MessageError(f"{where} must be an object, got {type(call).__name__}")
+    function = call.get("function", call)
+    if not isinstance(function, Mapping):
+        raise MessageError(f"{where}.function must be an object, got {type(function).__name__}")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise MessageError(f"{where} has no function name")
+    arguments = function.get("arguments", {})
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, (str, Mapping)):
+        raise MessageError(f"{where}.arguments must be an object or a JSON string, got {type(arguments).__name__}")
+    out: dict[str, Any] = {}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    out["type"] = "function"
+    out["function"] = {"name": name, "arguments": dict(arguments) if isinstance(arguments, Mapping) else arguments}
+    return out
+
+
+def normalize_message(message: Any, index: int = 0) -> dict:
+    """One OpenAI chat message -> the dict a chat template sees (see the module docstring)."""
+    where = f"message {index}"
+    if not isinstance(message, Mapping):
+        raise MessageError(f"{where} must be an object, got {type(message).__name__}")
+    role = message.get("role")
+    if role not in ROLES:
+        raise MessageError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+    unknown = set(message) - _KNOWN_KEYS
+    if unknown:
+        raise MessageError(f"{where}: unknown field(s) {sorted(unknown)}")
+    out: dict[str, Any] = {"role": role}
+    content = _text(message.get("content"), f"{where}.content")
+    if content is not None:
+        out["content"] = content
+    elif role != "assistant":
+        raise MessageError(f"{where}: a {role} message needs content")
+    for key in _REASONING_KEYS:
+        reasoning = message.get(key)
+        if reasoning is None:
+            continue
+        reasoning = _text(reasoning, f"{where}.{key}")
+        if reasoning:
+            if role != "assistant":
+                raise MessageError(f"{where}: only assistant messages carry reasoning, not {role}")
+            out["reasoning_content"] = reasoning
+        break
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        if role != "assistant":
+            raise MessageError(f"{where}: only assistant messages carry tool_calls, not {role}")
+        if not isinstance(tool_calls, Sequence) or isinstance(tool_calls, (str, bytes)):
+            raise MessageError(f"{where}.tool_calls must be a list")
+        if tool_calls:
+            out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(tool_calls)]
+    for key in ("tool_call_id", "name"):
+        value = message.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise MessageError(f"{where}.{key} must be a string, got {type(value).__name__}")
+        out[key] = value
+    return out
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """A list of OpenAI chat messages -> template dicts; raises :class:`MessageError` on bad input."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise MessageError(f"messages must be a list of message objects, got {type(messages).__name__}")
+    return [normalize_message(m, i) for i, m in enumerate(messages)]
+
+
+def normalize_tools(tools: Any) -> list[dict] | None:
+    """Tool definitions (OpenAI function schemas) as a list of dicts, or None when there are none."""
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise MessageError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
+    for j, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise MessageError(f"tools[{j}] must be an object, got {type(tool).__name__}")
+        function = tool.get("function", tool)
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise MessageError(f"tools[{j}] has no function name")
+    return [dict(t) for t in tools] or None

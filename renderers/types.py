@@ -1,0 +1,127 @@
+"""Result types of the renderer contract. msgspec Structs: cheap to build, typed, and serialisable."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class RenderedTokens(msgspec.Struct):
+    """Token ids with per-token attribution, all lists of the same length.
+
+    ``message_indices[i]`` is the index of the message whose turn token i belongs to (its header,
+    text and end marker), or -1 for what the template adds outside any message (BOS, a default
+    system prompt, tool definitions, the generation prompt). ``sampled_mask[i]`` is True when the
+    model would have sampled token i (an assistant turn after its header, end marker included).
+    ``is_content[i]`` is True when token i carries text from a message (content, reasoning, tool
+    call names and arguments, tool results) rather than template scaffolding.
+    """
+
+    token_ids: list[int]
+    message_indices: list[int]
+    sampled_mask: list[bool]
+    is_content: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class ToolCallStatus(str, enum.Enum):
+    OK = "ok"
+    INVALID_JSON = "invalid_json"  # the call body is not JSON
+    NOT_AN_OBJECT = "not_an_object"  # JSON, but not {"name": ..., "arguments": ...}
+    MISSING_NAME = "missing_name"
+    INVALID_ARGUMENTS = "invalid_arguments"  # arguments present but not an object
+    UNKNOWN_TOOL = "unknown_tool"  # a name that is not among the given tools
+    UNCLOSED = "unclosed"  # the completion ended before the call's close marker
+
+
+class ToolCall(msgspec.Struct):
+    """One tool call found in a completion. ``token_span`` is [start, end) in completion ids and
+    covers the call's markers; ``raw`` is the decoded text between the markers."""
+
+    name: str | None
+    arguments: dict[str, Any] | None
+    status: ToolCallStatus
+    token_span: tuple[int, int]
+    raw: str
+    error: str | None = None
+
+    def to_openai(self, call_id: str) -> dict:
+        import json
+
+        return {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": self.name or "", "arguments": json.dumps(self.arguments or {}, ensure_ascii=False)},
+        }
+
+
+class ParsedResponse(msgspec.Struct):
+    """A completion split into its parts by scanning token ids.
+
+    ``reasoning_complete`` is False when reasoning was opened and never closed, None when the
+    completion has no reasoning at all. ``stop_token_id`` is the stop id the completion ended with,
+    or None when it ended without one (truncated).
+    """
+
+    content: str
+    reasoning_content: str | None
+    tool_calls: list[ToolCall]
+    reasoning_complete: bool | None
+    stop_token_id: int | None
+
+    def to_message(self) -> dict:
+        """The assistant message an environment sees (OpenAI shape). Calls whose status is not ok are
+        left out here; they stay in ``tool_calls`` with their status for the environment to report."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning_content:
+            message["reasoning_content"] = self.reasoning_content
+        calls = [c for c in self.tool_calls if c.status is ToolCallStatus.OK]
+        if calls:
+            message["tool_calls"] = [c.to_openai(f"call_{i}") for i, c in enumerate(calls)]
+        return message
+
+
+class BreakReason(str, enum.Enum):
+    """Why a turn could not be bridged append-only. Every value is documented in docs/renderers.md."""
+
+    ASSISTANT_IN_NEW_MESSAGES = "assistant_in_new_messages"
+    STOP_INSIDE_REASONING = "stop_inside_reasoning"
+    TRUNCATED_INSIDE_REASONING = "truncated_inside_reasoning"
+    TEMPLATE_REWRITES_HISTORY = "template_rewrites_history"
+    NO_SPECIAL_TOKEN_ANCHOR = "no_special_token_anchor"
+    SYSTEM_MESSAGE_MOVES = "system_message_moves"
+    TEMPLATE_NOT_APPEND_ONLY = "template_not_append_only"
+    INVALID_MESSAGES = "invalid_messages"
+    TEMPLATE_ERROR = "template_error"
+
+
+class Break(msgspec.Struct):
+    """The turn cannot extend the previous tokens; the caller re-renders and starts a new segment."""
+
+    reason: BreakReason
+    detail: str
+    position: int | None = None  # first diverging token position, where known
+
+
+class Bridged(msgspec.Struct):
+    """The next prompt: ``token_ids[:prefix_len] == prev_prompt_ids + prev_completion_ids`` exactly.
+
+    ``appended`` attributes the tokens after the prefix; its message indices count into the new
+    messages. ``synthesized`` is how many of the appended tokens close a turn the engine did not
+    close itself (a truncated completion); they are context, never trainable.
+    """
+
+    token_ids: list[int]
+    prefix_len: int
+    appended: RenderedTokens
+    synthesized: int = 0
+
+
+class TrainingSample(msgspec.Struct):
+    token_ids: list[int]
+    loss_mask: list[bool]
+    message_indices: list[int]

@@ -1,0 +1,116 @@
+"""The ``tito`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def _load_json(path: str, what: str):
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} file {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} file {path} is not valid JSON: {exc}") from None
+
+
+def _parse_kwargs(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--template-kwarg expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _renderer(args):
+    from renderers import create_renderer, load_tokenizer
+
+    from .models import resolve_model
+
+    tok = load_tokenizer(resolve_model(args.model))
+    return create_renderer(tok, name=args.renderer, **_parse_kwargs(args.template_kwarg))
+
+
+def cmd_render(args) -> int:
+    messages = _load_json(args.messages, "messages")
+    tools = _load_json(args.tools, "tools") if args.tools else None
+    renderer = _renderer(args)
+    out = renderer.render(messages, tools, add_generation_prompt=args.generation_prompt)
+    if args.json:
+        print(json.dumps({"renderer": renderer.name, "template_sha256": renderer.template_sha256,
+                          "token_ids": out.token_ids, "message_indices": out.message_indices,
+                          "sampled_mask": out.sampled_mask, "is_content": out.is_content}))
+        return 0
+    tok = renderer.tokenizer
+    print(f"renderer {renderer.name}  template {renderer.template_sha256}  {len(out)} tokens")
+    print("token_ids", out.token_ids)
+    print(f"{'pos':>5} {'id':>7} {'msg':>4} flags  text")
+    for pos, (tid, mi, s, c) in enumerate(zip(out.token_ids, out.message_indices, out.sampled_mask, out.is_content)):
+        flags = ("S" if s else "-") + ("C" if c else "-") + ("*" if tid in tok.special_ids else " ")
+        print(f"{pos:>5} {tid:>7} {mi:>4} {flags}   {tok.decode([tid])!r}")
+    print("flags: S sampled by the model, C message content, * special token; msg -1 = template scaffolding")
+    return 0
+
+
+def cmd_template(args) -> int:
+    from renderers import load_tokenizer, select_renderer
+
+    from .models import resolve_model
+
+    tok = load_tokenizer(resolve_model(args.model))
+    print(f"model      {tok.name_or_path}")
+    print(f"template   sha256 {tok.template_sha256}  ({len(tok.chat_template or '')} chars)")
+    cls, why = select_renderer(tok, args.renderer)
+    renderer = cls(tok)
+    print(f"renderer   {cls.name}: {why}")
+    print(f"stop ids   {list(renderer.stop_token_ids)} {[tok.decode([i]) for i in renderer.stop_token_ids]}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tito", description="Token-in/token-out rollouts for RL.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p):
+        p.add_argument("model", help="tokenizer directory, GGUF file or model alias (smollm2-135m)")
+        p.add_argument("--renderer", help="force a renderer family instead of choosing by template hash")
+
+    render = sub.add_parser("render", help="render a conversation to token ids with per-token attribution")
+    model_args(render)
+    render.add_argument("--messages", required=True, help="JSON file with a list of OpenAI chat messages")
+    render.add_argument("--tools", help="JSON file with a list of tool definitions")
+    render.add_argument("--generation-prompt", action="store_true", help="append the assistant generation prompt")
+    render.add_argument("--template-kwarg", action="append", default=[], metavar="KEY=VALUE",
+                        help="template option, e.g. enable_thinking=false (repeatable)")
+    render.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    render.set_defaults(func=cmd_render)
+
+    template = sub.add_parser("template", help="print the template hash and which renderer is chosen, and why")
+    model_args(template)
+    template.set_defaults(func=cmd_template)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `tito render ... | head` ends quietly
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, KeyError) as exc:
+        print(f"tito {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
