@@ -94,7 +94,8 @@ class Renderer:
         """The next prompt, append-only: prev prompt + prev completion + the new messages + the
         generation prompt. A completion that ended without closing its turn (truncated) gets the
         close synthesized as context. Returns a ``Break`` with its reason where that is impossible."""
-        prefix = list(prev_prompt_ids) + list(prev_completion_ids)
+        # Work on the completion only: nothing here may cost time proportional to the history.
+        prefix_len = len(prev_prompt_ids) + len(prev_completion_ids)
         try:
             msgs = normalize_messages(new_messages)
             tool_defs = normalize_tools(tools)
@@ -108,7 +109,7 @@ class Renderer:
                     BreakReason.ASSISTANT_IN_NEW_MESSAGES,
                     f"new message {i} is an assistant message: its tokens were not sampled in this rollout, "
                     "so they cannot be appended as the model's own",
-                    position=len(prefix),
+                    position=prefix_len,
                 )
         completion = list(prev_completion_ids)
         if self.think_ids is not None:
@@ -116,21 +117,21 @@ class Renderer:
                 stopped = bool(completion) and completion[-1] in self.stop_token_ids
                 reason = BreakReason.STOP_INSIDE_REASONING if stopped else BreakReason.TRUNCATED_INSIDE_REASONING
                 what = "sampled a stop token" if stopped else "was cut off"
-                return Break(reason, f"the completion {what} inside an unclosed reasoning block", position=len(prefix))
-        brk = self._family_break(list(prev_prompt_ids), completion, msgs)
+                return Break(reason, f"the completion {what} inside an unclosed reasoning block", position=prefix_len)
+        brk = self._family_break(prev_prompt_ids, completion, msgs)
         if brk is not None:
             return brk
         closing = [] if completion and completion[-1] == self.turn_close_id else [self.turn_close_id]
-        prefix_closed = prefix + closing
-        if not prefix_closed or prefix_closed[-1] not in self.tokenizer.special_ids:
-            return Break(BreakReason.NO_SPECIAL_TOKEN_ANCHOR, "the previous tokens do not end on a special token", len(prefix))
+        last = (closing or completion or prev_prompt_ids or [None])[-1]
+        if last not in self.tokenizer.special_ids:
+            return Break(BreakReason.NO_SPECIAL_TOKEN_ANCHOR, "the previous tokens do not end on a special token", prefix_len)
         p = Pieces(self.tokenizer)
         if self.after_close:
             p.scaffold(self.after_close)
         try:
             self._continue(p, msgs, tool_defs)
         except ValueError as exc:
-            return Break(BreakReason.TEMPLATE_ERROR, str(exc), len(prefix))
+            return Break(BreakReason.TEMPLATE_ERROR, str(exc), prefix_len)
         tail = p.encode()
         n = len(closing)
         appended = RenderedTokens(
@@ -139,7 +140,8 @@ class Renderer:
             sampled_mask=[False] * n + tail.sampled_mask,
             is_content=[False] * n + tail.is_content,
         )
-        return Bridged(token_ids=prefix + appended.token_ids, prefix_len=len(prefix), appended=appended, synthesized=n)
+        token_ids = [*prev_prompt_ids, *completion, *appended.token_ids]
+        return Bridged(token_ids=token_ids, prefix_len=prefix_len, appended=appended, synthesized=n)
 
     def _family_break(self, prompt_ids: list[int], completion: list[int], msgs: list[dict]) -> Break | None:
         """Family hook: a Break when, under ``thinking_retention="template"``, the template would

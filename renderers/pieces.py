@@ -15,6 +15,8 @@ never is, so a message quoting ``<|im_end|>`` stays ordinary text.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from .tokenizer import Tokenizer
 from .types import RenderedTokens
 
@@ -50,8 +52,17 @@ class Pieces:
 
 
 _SPLIT_CACHE: dict[tuple[int, str], list[str | int]] = {}
-_RUN_CACHE: dict[tuple[int, str], list[int]] = {}
-_CACHE_LIMIT = 4096
+_CACHE_LIMIT = 8192  # entries per cache; the run cache holds runs up to _RUN_CACHE_CHARS characters
+_RUN_CACHE_CHARS = 16384
+# run text -> (ids, token end offsets). Repeated runs are the common case in RL: a group of rollouts shares its
+# prompt, and system prompts and tool definitions repeat across tasks.
+_RUN_CACHE: dict[tuple[int, str], tuple[list[int], list[int]]] = {}
+
+
+def clear_caches() -> None:
+    """Forget cached encodings (benchmarks use it to measure cold renders)."""
+    _SPLIT_CACHE.clear()
+    _RUN_CACHE.clear()
 
 
 def _split_cached(tok: Tokenizer, text: str) -> list[str | int]:
@@ -59,91 +70,108 @@ def _split_cached(tok: Tokenizer, text: str) -> list[str | int]:
     parts = _SPLIT_CACHE.get(key)
     if parts is None:
         parts = tok.split_added(text)
-        if len(_SPLIT_CACHE) < _CACHE_LIMIT and len(text) < 512:
+        if len(_SPLIT_CACHE) >= _CACHE_LIMIT:
+            _SPLIT_CACHE.clear()
+        if len(text) < 512:
             _SPLIT_CACHE[key] = parts
     return parts
 
 
 def encode_pieces(tok: Tokenizer, items: list[Piece]) -> RenderedTokens:
+    """Encode pieces: each run of text between special tokens is encoded as a whole, all uncached
+    runs in one batch call (the tokenizer encodes them in parallel)."""
+    # pass 1: group into runs; a run is (text, pieces); a special is an int
+    groups: list[int | tuple[str, list[Piece]]] = []
+    run: list[Piece] = []
+    for piece in items:
+        if isinstance(piece[0], int):
+            if run:
+                groups.append(("".join(p[0] for p in run), run))  # type: ignore[misc]
+                run = []
+            groups.append(piece)  # type: ignore[arg-type]
+        else:
+            run.append(piece)
+    if run:
+        groups.append(("".join(p[0] for p in run), run))  # type: ignore[misc]
+    # pass 2: encode the runs the cache does not hold, in one call
+    tid = id(tok)
+    encoded = {}  # this render's runs: looked up before the cache may be cleared below
+    for g in groups:
+        if isinstance(g[0], str) and g[0] not in encoded and (tid, g[0]) in _RUN_CACHE:
+            encoded[g[0]] = _RUN_CACHE[(tid, g[0])]
+    pending = list({g[0] for g in groups if isinstance(g[0], str) and g[0] not in encoded})
+    if pending:
+        if len(_RUN_CACHE) + len(pending) > _CACHE_LIMIT:
+            _RUN_CACHE.clear()
+        for text, enc in zip(pending, tok.encode_plain_batch(pending), strict=True):
+            encoded[text] = enc
+            if len(text) <= _RUN_CACHE_CHARS:
+                _RUN_CACHE[(tid, text)] = enc
+    # pass 3: assemble with attribution
     ids: list[int] = []
     msg: list[int] = []
     sampled: list[bool] = []
     content: list[bool] = []
-    run: list[Piece] = []
-
-    def flush() -> None:
-        if not run:
-            return
-        text = "".join(p[0] for p in run)  # type: ignore[misc]
-        first = run[0]
-        uniform = all(p[1] == first[1] and p[2] == first[2] and p[3] == first[3] for p in run)
-        if uniform:
-            if first[2]:
-                run_ids = tok.encode_plain(text)
-            else:
-                key = (id(tok), text)
-                run_ids = _RUN_CACHE.get(key)
-                if run_ids is None:
-                    run_ids = tok.encode_plain(text)
-                    if len(_RUN_CACHE) < _CACHE_LIMIT and len(text) < 512:
-                        _RUN_CACHE[key] = run_ids
+    for g in groups:
+        if isinstance(g[0], int):
+            ids.append(g[0])
+            msg.append(g[1])
+            content.append(False)
+            sampled.append(g[3])
+            continue
+        text, pieces = g  # type: ignore[misc]
+        run_ids, ends = encoded[text]
+        first = pieces[0]
+        if all(p[1] == first[1] and p[2] == first[2] and p[3] == first[3] for p in pieces):
             n = len(run_ids)
             ids.extend(run_ids)
             msg.extend([first[1]] * n)
             content.extend([first[2]] * n)
             sampled.extend([first[3]] * n)
         else:
-            _attribute(tok, text, run, ids, msg, content, sampled)
-        run.clear()
-
-    for piece in items:
-        if isinstance(piece[0], int):
-            flush()
-            ids.append(piece[0])
-            msg.append(piece[1])
-            content.append(False)
-            sampled.append(piece[3])
-        else:
-            run.append(piece)
-    flush()
+            _attribute(run_ids, ends, pieces, ids, msg, content, sampled)
     return RenderedTokens(token_ids=ids, message_indices=msg, sampled_mask=sampled, is_content=content)
 
 
-def _attribute(tok: Tokenizer, text: str, run: list[Piece], ids, msg, content, sampled) -> None:
-    """Encode a mixed run once and attribute each token by the pieces its characters overlap.
+def _attribute(run_ids, ends, run: list[Piece], ids, msg, content, sampled) -> None:
+    """Attribute each token of a mixed run by the pieces its characters overlap.
 
-    A token that spans pieces (BPE merged across a boundary) counts as content if any of its
+    Token i covers characters [ends[i-1], ends[i]). Tokens inside one piece take its attributes in
+    bulk; a token that spans pieces (BPE merged across a boundary) counts as content if any of its
     characters is content, belongs to the message of its first content character (else of its
     first character), and is sampled only if all of its characters were.
     """
-    bounds = []
+    n = len(run_ids)
+    ids.extend(run_ids)
+    t = 0
+    prev_end = 0
     pos = 0
-    for p in run:
-        end = pos + len(p[0])  # type: ignore[arg-type]
-        bounds.append((pos, end, p))
+    for j, piece in enumerate(run):
+        start, end = pos, pos + len(piece[0])  # type: ignore[arg-type]
         pos = end
-    run_ids, offsets = tok.encode_plain_with_offsets(text)
-    j = 0
-    for tid, (start, end) in zip(run_ids, offsets):
-        if end <= start:
-            end = start + 1
-        while bounds[j][1] <= start and j < len(bounds) - 1:
-            j += 1
-        k = j
-        is_content = False
-        all_sampled = True
-        owner = bounds[j][2][1]
-        content_owner = None
-        while True:
-            piece = bounds[k][2]
-            if piece[2] and content_owner is None:
-                content_owner = piece[1]
-                is_content = True
-            all_sampled = all_sampled and piece[3]
-            if bounds[k][1] >= end or k == len(bounds) - 1:
-                break
-            k += 1
-        ids.append(tid)
-        msg.append(content_owner if content_owner is not None else owner)
-        content.append(is_content)
-        sampled.append(all_sampled)
+        if t >= n or prev_end >= end:
+            continue  # an earlier spanning token covered this piece
+        hi = bisect_right(ends, end, t)  # tokens t..hi-1 end inside this piece
+        count = hi - t
+        if count:
+            msg.extend([piece[1]] * count)
+            content.extend([piece[2]] * count)
+            sampled.extend([piece[3]] * count)
+            prev_end = ends[hi - 1]
+            t = hi
+        if t < n and prev_end < end:  # token t starts in this piece and ends in a later one
+            token_end = ends[t]
+            owner, content_owner, all_sampled = piece[1], None, True
+            k, k_start = j, start
+            while k < len(run) and k_start < token_end:
+                other = run[k]
+                if other[2] and content_owner is None:
+                    content_owner = other[1]
+                all_sampled = all_sampled and other[3]
+                k_start += len(other[0])  # type: ignore[arg-type]
+                k += 1
+            msg.append(content_owner if content_owner is not None else owner)
+            content.append(content_owner is not None)
+            sampled.append(all_sampled)
+            prev_end = token_end
+            t += 1

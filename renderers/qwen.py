@@ -195,10 +195,11 @@ class Qwen3Renderer(_QwenBase):
             p.scaffold("\n", i, sampled=True)
             p.special("</think>", i, sampled=True)
             p.scaffold("\n\n", i, sampled=True)
-            content = content.lstrip("\n")
-        p.text(content, i, sampled=True)
+            p.text(content.lstrip("\n"), i, sampled=True)
+        else:
+            p.text(content, i, sampled=True)
         for j, call in enumerate(m.get("tool_calls", ())):
-            if j > 0 or content:
+            if j > 0 or content:  # the template tests `content` before its lstrip: "\n" alone still separates
                 p.scaffold("\n", i, sampled=True)
             args = call["function"]["arguments"]
             self._tool_call(p, call, i, args if isinstance(args, str) else tojson(args))

@@ -18,6 +18,7 @@ import re
 import shutil
 import tempfile
 from functools import cached_property
+from itertools import accumulate
 from pathlib import Path
 
 from tokenizers import Tokenizer as BackendTokenizer
@@ -62,7 +63,9 @@ class Tokenizer:
         self.eos_token_ids = tuple(dict.fromkeys([*([eos_id] if eos_id is not None else []), *eos_token_ids]))
         plain = json.loads(backend.to_str())
         plain["added_tokens"] = []
+        _untrim_offsets(plain)  # offsets cover a token's whole text, in both encode paths
         self._plain = BackendTokenizer.from_str(json.dumps(plain))
+        self._words = AsciiWordEncoder.for_config(plain, self._plain)
         pattern = "|".join(re.escape(t) for t in sorted(self.added_tokens, key=len, reverse=True))
         self._added_re = re.compile(pattern) if pattern else None
 
@@ -87,11 +90,33 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def encode_plain(self, text: str) -> list[int]:
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return self.encode_plain_with_ends(text)[0]
 
-    def encode_plain_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    def encode_plain_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """Ids, and for each token the character offset where it ends (non-decreasing; a token
+        spans from the previous token's end to its own)."""
+        if self._words is not None and self._words.accepts(text):
+            return self._words.encode(text)
         enc = self._plain.encode(text, add_special_tokens=False)
-        return enc.ids, enc.offsets
+        return enc.ids, [end for _, end in enc.offsets]
+
+    def encode_plain_batch(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
+        """Several texts at once, as ``encode_plain_with_ends``. Texts the word encoder cannot take
+        go to the tokenizers library in one batch call (encoded in parallel)."""
+        out: list = [None] * len(texts)
+        rest = []
+        for i, text in enumerate(texts):
+            if self._words is not None and self._words.accepts(text):
+                out[i] = self._words.encode(text)
+            else:
+                rest.append(i)
+        if len(rest) == 1:
+            enc = self._plain.encode(texts[rest[0]], add_special_tokens=False)
+            out[rest[0]] = (enc.ids, [end for _, end in enc.offsets])
+        elif rest:
+            for i, enc in zip(rest, self._plain.encode_batch([texts[i] for i in rest], add_special_tokens=False)):
+                out[i] = (enc.ids, [end for _, end in enc.offsets])
+        return out
 
     def split_added(self, text: str) -> list[str | int]:
         """Split scaffold text on added-token strings: text runs stay str, added tokens become ids."""
@@ -189,3 +214,107 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if p.exists():
         raise TokenizerLoadError(f"{p}: expected a tokenizer directory or a .gguf file")
     raise TokenizerLoadError(f"{p}: no such file or directory")
+
+
+def _untrim_offsets(config: dict) -> None:
+    for key in ("pre_tokenizer", "post_processor", "decoder"):
+        stack = [config.get(key)]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                if node.get("type") == "ByteLevel":
+                    node["trim_offsets"] = False
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+
+
+# GPT-2's split, which ByteLevel(use_regex=True) applies
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Printable ASCII plus tab, newline and carriage return: on these characters every Unicode class the
+# split patterns use (\p{L}, \p{N}, \s, ...) has one unambiguous meaning in any Unicode version, and
+# NFC leaves them unchanged, so Python's `regex` splits them exactly as the tokenizers library does.
+_SAFE_ASCII = re.compile(r"[\x20-\x7e\t\n\r]*")
+
+
+class AsciiWordEncoder:
+    """A faster encoder for byte-level BPE tokenizers, used only on text of safe ASCII characters.
+
+    The tokenizers library spends most of an encode in its split regex (Oniguruma). Here the same
+    pattern runs in Python's ``regex`` module, and each resulting word is looked up in a cache of
+    ids filled by the tokenizers library itself (words it has not seen are encoded in one batch
+    call, as pre-tokenized input, so BPE stays the library's own). Offsets are character offsets;
+    on ASCII each byte-level token character is one character of text.
+    """
+
+    _CACHE_LIMIT = 262144
+
+    def __init__(self, pattern: str, plain: BackendTokenizer) -> None:
+        import regex
+
+        self._split = regex.compile(pattern)
+        self._plain = plain
+        self._cache: dict[str, tuple[list[int], list[int]]] = {}
+
+    @classmethod
+    def for_config(cls, config: dict, plain: BackendTokenizer) -> AsciiWordEncoder | None:
+        """An encoder for this tokenizer.json, or None when its pipeline is not the supported one:
+        BPE without byte fallback; no normalizer or NFC; a byte-level pre-tokenizer whose split is
+        either GPT-2's or one Split(regex, Isolated) followed by ByteLevel(use_regex=False)."""
+        model = config.get("model") or {}
+        if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("dropout"):
+            return None
+        if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+            return None
+        normalizer = config.get("normalizer")
+        if normalizer is not None and normalizer.get("type") != "NFC":
+            return None
+        pre = config.get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+        if len(steps) == 1 and steps[0].get("type") == "ByteLevel" and steps[0].get("use_regex", True):
+            if steps[0].get("add_prefix_space"):
+                return None
+            return cls(_GPT2_SPLIT, plain)
+        if len(steps) == 2:
+            split, byte_level = steps
+            if (
+                split.get("type") == "Split"
+                and "Regex" in (split.get("pattern") or {})
+                and split.get("behavior") == "Isolated"
+                and not split.get("invert")
+                and byte_level.get("type") == "ByteLevel"
+                and not byte_level.get("use_regex", True)
+                and not byte_level.get("add_prefix_space")
+            ):
+                return cls(split["pattern"]["Regex"], plain)
+        return None
+
+    @staticmethod
+    def accepts(text: str) -> bool:
+        return text.isascii() and _SAFE_ASCII.fullmatch(text) is not None
+
+    def encode(self, text: str) -> tuple[list[int], list[int]]:
+        """Ids and each token's end offset, as ``Tokenizer.encode_plain_with_ends``."""
+        words = self._split.findall(text)
+        cache = self._cache
+        missing = [w for w in dict.fromkeys(words) if w not in cache]
+        if missing:
+            self._fill(missing)
+        ids: list[int] = []
+        lengths: list[int] = []
+        for word in words:
+            word_ids, word_lengths = cache[word]
+            ids += word_ids
+            lengths += word_lengths
+        return ids, list(accumulate(lengths))
+
+    def _fill(self, words: list[str]) -> None:
+        if len(self._cache) + len(words) > self._CACHE_LIMIT:
+            self._cache.clear()
+        enc = self._plain.encode(words, is_pretokenized=True, add_special_tokens=False)
+        per_word: list[tuple[list[int], list[int]]] = [([], []) for _ in words]
+        for tid, wid, (start, end) in zip(enc.ids, enc.word_ids, enc.offsets):
+            per_word[wid][0].append(tid)
+            per_word[wid][1].append(end - start)
+        for word, entry in zip(words, per_word):
+            self._cache[word] = entry

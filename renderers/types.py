@@ -28,7 +28,7 @@ class RenderedTokens(msgspec.Struct):
         return len(self.token_ids)
 
 
-class ToolCallStatus(str, enum.Enum):
+class ToolCallStatus(enum.StrEnum):
     OK = "ok"
     INVALID_JSON = "invalid_json"  # the call body is not JSON
     NOT_AN_OBJECT = "not_an_object"  # JSON, but not {"name": ..., "arguments": ...}
@@ -85,7 +85,7 @@ class ParsedResponse(msgspec.Struct):
         return message
 
 
-class BreakReason(str, enum.Enum):
+class BreakReason(enum.StrEnum):
     """Why a turn could not be bridged append-only. Every value is documented in docs/renderers.md."""
 
     ASSISTANT_IN_NEW_MESSAGES = "assistant_in_new_messages"
