@@ -1,0 +1,57 @@
+"""The tito command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from ._support import REPO, smollm2_gguf, tokenizer_dir
+
+
+def tito(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollout.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_render_prints_ids_and_attribution(tmp_path):
+    msgs = tmp_path / "m.json"
+    msgs.write_text(json.dumps([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]))
+    out = tito("render", str(tokenizer_dir("qwen2.5-7b-instruct")), "--messages", str(msgs), "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["renderer"] == "qwen2.5"
+    assert len(data["token_ids"]) == len(data["message_indices"]) == len(data["sampled_mask"])
+    table = tito("render", str(tokenizer_dir("qwen2.5-7b-instruct")), "--messages", str(msgs), "--generation-prompt")
+    assert table.returncode == 0
+    assert "'Hello'" in table.stdout and "<|im_end|>" in table.stdout
+
+
+def test_render_the_default_model_alias():
+    smollm2_gguf()  # skip (or fail under CI) when the package is absent
+    out = tito("render", "smollm2-135m", "--messages", "configs/sample_conversation.json", "--generation-prompt")
+    assert out.returncode == 0, out.stderr
+    assert "renderer smollm2" in out.stdout
+
+
+def test_template_explains_the_choice():
+    out = tito("template", str(tokenizer_dir("qwen3-0.6b")))
+    assert out.returncode == 0
+    assert "87a2728cb8dc9fe4" in out.stdout and "verified for qwen3" in out.stdout
+    unknown = tito("template", str(tokenizer_dir("qwen3-coder-30b-a3b-instruct")))
+    assert unknown.returncode == 2
+    assert "no renderer is verified" in unknown.stderr and "Traceback" not in unknown.stderr
+    forced = tito("template", str(tokenizer_dir("qwen3-coder-30b-a3b-instruct")), "--renderer", "qwen3")
+    assert forced.returncode == 0 and "forced" in forced.stdout
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"role": "wizard", "content": "x"}]')
+    out = tito("render", str(tokenizer_dir("qwen3-0.6b")), "--messages", str(bad))
+    assert out.returncode == 2 and "unknown role 'wizard'" in out.stderr and "Traceback" not in out.stderr
+    bad.write_text("[{")
+    out = tito("render", str(tokenizer_dir("qwen3-0.6b")), "--messages", str(bad))
+    assert out.returncode == 2 and "not valid JSON" in out.stderr
+    bad.write_text("[]")
+    out = tito("render", "/no/such/model", "--messages", str(bad))
+    assert out.returncode == 2 and "neither a file" in out.stderr
