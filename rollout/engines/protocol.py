@@ -1,0 +1,126 @@
+"""The token-in/token-out engine protocol: the only thing the rollout loop knows about an engine.
+
+Engines never see text. A request carries prompt ids and explicit sampling settings (``max_tokens``
+is required: no engine-side default silently truncates a turn); a result carries the sampled ids,
+each sampled token's logprob under the distribution actually sampled from (after temperature and
+top-k/top-p), why generation ended, and what the engine reused from its cache.
+
+Every backend (embedded torch, vLLM, replay) implements :class:`EngineBackend` and passes the
+conformance suite in tests/engine_conformance.py.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, runtime_checkable
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class EngineError(ValueError):
+    """A request the engine refuses (bad input); the text names the problem. The engine keeps serving."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_tokens: int  # required: the number of tokens this turn may sample
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = no top-k
+    seed: int | None = None  # per-request generator; None = nondeterministic
+    stop_token_ids: tuple[int, ...] = ()  # the stop token is included in the completion and ends it
+    logprobs: bool = True  # return the sampled tokens' logprobs
+    ignore_eos: bool = False  # keep sampling through stop ids (benchmarks)
+    n: int = 1  # completions per request (each is one GenerateResult in GenerateOutput.results)
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    session_id: str | None = None  # a rollout's id: the engine may keep its KV for the next turn
+
+
+class Timings(msgspec.Struct):
+    queue_s: float = 0.0  # waiting before the first forward pass
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+class GenerateResult(msgspec.Struct):
+    completion_ids: list[int]
+    logprobs: list[float] | None  # float32 values, one per completion id
+    finish_reason: FinishReason
+    stop_token_id: int | None = None  # the stop id that ended it (it is the last completion id)
+    cached_prompt_tokens: int = 0  # prompt tokens served from cache (session KV / prefix cache)
+    weight_version: int = 0
+    timings: Timings = msgspec.field(default_factory=Timings)
+    error: str | None = None  # set when finish_reason == "error"
+
+
+class GenerateOutput(msgspec.Struct):
+    request_id: str
+    prompt_len: int
+    results: list[GenerateResult]  # n entries
+
+
+class EngineInfo(msgspec.Struct):
+    backend: str  # "embedded" | "vllm" | "replay"
+    model: str
+    vocab_size: int
+    max_model_len: int
+    weight_version: int
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+
+
+@runtime_checkable
+class EngineBackend(Protocol):
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Sample completions for ``request``. Bad input raises :class:`EngineError` for this request only."""
+        ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a running request; its result comes back with finish_reason "abort". False if unknown."""
+        ...
+
+    async def update_weights(self, path: str, version: int) -> None:
+        """Load weights from a checkpoint directory; later results carry ``version``."""
+        ...
+
+    def info(self) -> EngineInfo: ...
+
+
+def validate_request(request: GenerateRequest, info: EngineInfo) -> None:
+    """The checks every backend applies before touching the model; raises EngineError naming the problem."""
+    ids = request.prompt_ids
+    s = request.sampling
+    if not ids:
+        raise EngineError(f"request {request.request_id}: empty prompt")
+    bad = next((t for t in ids if not isinstance(t, int) or t < 0 or t >= info.vocab_size), None)
+    if bad is not None:
+        raise EngineError(f"request {request.request_id}: token id {bad!r} is outside the vocabulary [0, {info.vocab_size})")
+    if s.max_tokens < 1:
+        raise EngineError(f"request {request.request_id}: max_tokens must be >= 1, got {s.max_tokens}")
+    if len(ids) + s.max_tokens > info.max_model_len:
+        raise EngineError(
+            f"request {request.request_id}: prompt ({len(ids)} tokens) + max_tokens ({s.max_tokens}) "
+            f"exceeds max_model_len {info.max_model_len}"
+        )
+    if s.n < 1:
+        raise EngineError(f"request {request.request_id}: n must be >= 1, got {s.n}")
+    if s.temperature < 0 or not 0 < s.top_p <= 1:
+        raise EngineError(f"request {request.request_id}: temperature must be >= 0 and top_p in (0, 1]")
+    bad_stop = next((t for t in s.stop_token_ids if t < 0 or t >= info.vocab_size), None)
+    if bad_stop is not None:
+        raise EngineError(f"request {request.request_id}: stop token id {bad_stop} is outside the vocabulary")
+
+
+def decode_request(data: bytes | dict) -> GenerateRequest:
+    """A request from JSON bytes or a dict, with msgspec's precise errors as EngineError
+    (a missing ``max_tokens`` is named, not defaulted)."""
+    try:
+        if isinstance(data, (bytes, bytearray, str)):
+            return msgspec.json.decode(data, type=GenerateRequest)
+        return msgspec.convert(data, type=GenerateRequest)
+    except msgspec.ValidationError as exc:
+        raise EngineError(f"invalid request: {exc}") from None
