@@ -222,7 +222,7 @@ class Qwen3Renderer(_QwenBase):
             return None
         # this turn's think block may open in the prompt (enable_thinking=False pre-fills an empty one)
         im_start = self.tokenizer.token_id("<|im_start|>")
-        turn_start = len(prompt_ids) - 1 - prompt_ids[::-1].index(im_start) if im_start in prompt_ids else 0
+        turn_start = next((i for i in range(len(prompt_ids) - 1, -1, -1) if prompt_ids[i] == im_start), 0)
         turn = prompt_ids[turn_start:] + completion
         if open_id in turn and not self._think_block_kept(turn):
             return Break(
