@@ -1,0 +1,140 @@
+"""Run configuration: a YAML file validated by pydantic, with ``--set key.path=value`` overrides.
+
+Every model forbids unknown keys, so a typo is an error that names it instead of a silently
+ignored setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the text names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    backend: Literal["embedded", "vllm", "replay"] = "embedded"
+    count: int = Field(1, ge=1, description="engine actors to start")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the backend")
+    max_concurrency: int = Field(64, ge=1, description="requests one engine actor serves at once")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs per engine actor (embedded)")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine actor (vllm)")
+    overload_factor: float = Field(1.5, gt=1, description="sticky routing leaves an engine busier than this x the least loaded")
+
+
+class RendererConfig(_Strict):
+    name: str | None = Field(None, description="force a renderer family instead of choosing by template hash")
+    template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    thinking_retention: Literal["keep", "template"] = "keep"
+    actors: int = Field(1, ge=1, description="renderer actors side by side")
+
+
+class EnvConfig(_Strict):
+    name: str = "arithmetic"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TasksConfig(_Strict):
+    path: str | None = Field(None, description="a JSONL or Parquet task file; none = the environment's generator")
+    count: int | None = Field(None, ge=1, description="tasks to run (generated, or the first N of the file)")
+    seed: int = 0
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = 0
+    seed: int | None = None
+
+
+class AdvantageConfig(_Strict):
+    normalize_std: bool = Field(False, description="divide reward - group mean by the group's std")
+
+
+class OutputConfig(_Strict):
+    dir: str = "out/run"
+    format: Literal["arrow", "parquet"] = "arrow"
+    rows_per_file: int = Field(1024, ge=1)
+
+
+class RayConfig(_Strict):
+    address: str | None = Field(None, description="join this cluster; none = start a local Ray")
+    num_cpus: int | None = None
+
+
+class RunConfig(_Strict):
+    model: str = Field("smollm2-135m", description="model directory, GGUF file or alias")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    renderer: RendererConfig = Field(default_factory=RendererConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
+    group_size: int = Field(4, ge=1, description="rollouts per task (GRPO group)")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    max_turns: int = Field(4, ge=1)
+    max_tokens_per_turn: int = Field(256, ge=1)
+    max_tokens_per_rollout: int = Field(2048, ge=1, description="sampled tokens over all turns of a rollout")
+    rollout_timeout_s: float = Field(600.0, gt=0)
+    max_concurrent_rollouts: int = Field(64, ge=1)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _budgets(self) -> RunConfig:
+        if self.max_tokens_per_turn > self.max_tokens_per_rollout:
+            raise ValueError("max_tokens_per_turn must not exceed max_tokens_per_rollout")
+        return self
+
+
+def _set_path(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _format_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"  {key}: {msg}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML config (or none: all defaults) and apply ``key.path=value`` overrides, whose values
+    are parsed as YAML (``--set group_size=8``, ``--set engine.options.threads=2``)."""
+    data: dict = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config {path} must be a mapping at the top level")
+        data = loaded or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects key.path=value, got {item!r}")
+        _set_path(data, key.strip(), yaml.safe_load(raw))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None

@@ -1,0 +1,45 @@
+"""Run configuration: errors name the key; overrides from the command line."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.config import ConfigError, load_config
+
+from ._support import REPO
+
+
+def test_demo_config_loads():
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    assert cfg.engine.backend == "embedded"
+
+
+def test_unknown_and_bad_keys_are_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("group_size: 4\nengine:\n  backnd: embedded\n")
+    with pytest.raises(ConfigError, match=r"engine.backnd: unknown key"):
+        load_config(path)
+    path.write_text("group_size: zero\n")
+    with pytest.raises(ConfigError, match=r"group_size: .*integer"):
+        load_config(path)
+    path.write_text("engine:\n  backend: tpu\n")
+    with pytest.raises(ConfigError, match=r"engine.backend"):
+        load_config(path)
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("group_size: 2\n")
+    cfg = load_config(path, ["group_size=8", "engine.options.threads=2", "output.format=parquet", "model=x"])
+    assert cfg.group_size == 8 and cfg.engine.options == {"threads": 2} and cfg.output.format == "parquet"
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(path, ["group_size"])
+    with pytest.raises(ConfigError, match="sampling.temperature"):
+        load_config(path, ["sampling.temperature=-1"])
+    with pytest.raises(ConfigError, match="max_tokens_per_turn"):
+        load_config(path, ["max_tokens_per_turn=10", "max_tokens_per_rollout=5"])
