@@ -83,3 +83,11 @@ def test_bad_rows_fail_before_any_file_is_written(tmp_path):
         w.add([{"token_ids": "not a list"}])
     assert not list(tmp_path.iterdir())
     assert len(SCHEMA) == 23
+
+
+def test_every_column_is_documented():
+    from ._support import REPO
+
+    doc = (REPO / "docs" / "shards.md").read_text()
+    for field in SCHEMA:
+        assert f"| `{field.name}` |" in doc, f"docs/shards.md does not document {field.name}"
