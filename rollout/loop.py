@@ -1,0 +1,222 @@
+"""The multi-turn rollout loop: render -> generate -> parse -> environment step -> bridge -> ...
+
+``RolloutDriver`` runs G rollouts per task against engines and renderer services (local objects
+or Ray actors, through ``rollout.handles.call``), computes group advantages, and hands each finished
+rollout's metadata to the renderer that holds its segments, which writes the shard rows.
+
+A rollout stops when the environment says done, when the assistant's turn leaves nothing to answer
+(no tool call and no feedback), at ``max_turns``, when the engine hits ``max_tokens`` (finish
+"length": the turn is truncated), when the next turn would not fit the model's context, or when the
+rollout's token budget is spent. A rollout that raises or times out is recorded with its error and
+the run goes on. An engine that dies mid-rollout is dropped from routing and the rollout is re-run
+from scratch on another engine (nothing of the failed attempt is written), so every task x group
+member appears exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from renderers import ParsedResponse
+
+from .config import RunConfig
+from .engines.protocol import EngineInfo, GenerateRequest, SamplingParams
+from .envs.base import Environment, Task
+from .handles import call
+from .routing import StickyLeastLoaded
+
+MAX_ATTEMPTS = 3
+
+
+class EngineDied(RuntimeError):
+    pass
+
+
+class RolloutOutcome(msgspec.Struct):
+    rollout_id: str
+    task_id: str
+    group_id: str
+    finish_reason: str
+    reward: float = 0.0
+    components: dict[str, float] = msgspec.field(default_factory=dict)
+    messages: list[dict] = msgspec.field(default_factory=list)
+    turns: int = 0
+    completion_tokens: int = 0
+    engine_busy_s: float = 0.0
+    error: str | None = None
+    advantage: float = 0.0
+
+
+def _is_actor_death(exc: BaseException) -> bool:
+    try:
+        import ray.exceptions as rex
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(exc, (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError))
+
+
+class RolloutDriver:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        env: Environment,
+        engines: list[Any],
+        renderers: list[Any],
+        engine_info: EngineInfo,
+        stop_token_ids: list[int],
+        on_progress: Callable[[RolloutOutcome], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.engines = engines
+        self.renderers = renderers
+        self.info = engine_info
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.router = StickyLeastLoaded(len(engines), cfg.engine.overload_factor)
+        self.on_progress = on_progress
+        self.limit = asyncio.Semaphore(cfg.max_concurrent_rollouts)
+        self.finish_counts: Counter[str] = Counter()
+        self.reruns = 0
+
+    # ---- groups ----------------------------------------------------------------------------------
+
+    async def run(self, tasks: list[Task]) -> list[RolloutOutcome]:
+        groups = await asyncio.gather(*(self.run_group(task, gi) for gi, task in enumerate(tasks)))
+        return [o for group in groups for o in group]
+
+    async def run_group(self, task: Task, group_index: int) -> list[RolloutOutcome]:
+        group_id = f"{task.task_id}"
+        renderer = self.renderers[group_index % len(self.renderers)]
+        outcomes = await asyncio.gather(
+            *(self._run_with_retries(task, group_id, f"{task.task_id}#{k}", renderer) for k in range(self.cfg.group_size))
+        )
+        self._advantages(outcomes)
+        for o in outcomes:
+            meta = {"task_id": o.task_id, "group_id": o.group_id, "reward": o.reward, "reward_components": o.components,
+                    "advantage": o.advantage, "finish_reason": o.finish_reason, "messages": o.messages, "error": o.error}
+            await call(renderer, "finish", o.rollout_id, meta)
+        return list(outcomes)
+
+    def _advantages(self, outcomes: list[RolloutOutcome]) -> None:
+        """reward - group mean (/ group std if configured), over the rollouts that did not fail."""
+        ok = [o for o in outcomes if o.error is None]
+        if not ok:
+            return
+        mean = statistics.fmean(o.reward for o in ok)
+        std = statistics.pstdev([o.reward for o in ok]) if len(ok) > 1 else 0.0
+        for o in ok:
+            adv = o.reward - mean
+            if self.cfg.advantage.normalize_std:
+                adv = adv / (std + 1e-6)
+            o.advantage = adv
+
+    async def _run_with_retries(self, task: Task, group_id: str, rollout_id: str, renderer: Any) -> RolloutOutcome:
+        for _attempt in range(MAX_ATTEMPTS):
+            async with self.limit:
+                try:
+                    outcome = await asyncio.wait_for(
+                        self.run_rollout(task, group_id, rollout_id, renderer), self.cfg.rollout_timeout_s
+                    )
+                except EngineDied:
+                    await call(renderer, "discard", rollout_id)
+                    self.reruns += 1
+                    continue
+                except TimeoutError:
+                    outcome = RolloutOutcome(rollout_id, task.task_id, group_id, "timeout",
+                                             messages=list(task.messages),
+                                             error=f"timed out after {self.cfg.rollout_timeout_s}s")
+                except Exception as exc:  # a failed rollout is recorded; the run goes on
+                    outcome = RolloutOutcome(rollout_id, task.task_id, group_id, "error", messages=list(task.messages),
+                                             error=f"{type(exc).__name__}: {exc}")
+            self.router.forget(rollout_id)
+            self.finish_counts[outcome.finish_reason] += 1
+            if self.on_progress:
+                self.on_progress(outcome)
+            return outcome
+        raise RuntimeError(f"rollout {rollout_id}: every engine it was sent to died ({MAX_ATTEMPTS} attempts)")
+
+    # ---- one rollout -----------------------------------------------------------------------------
+
+    async def _generate(self, request: GenerateRequest, session: str):
+        index = self.router.acquire(session)
+        try:
+            return await call(self.engines[index], "generate", request)
+        except Exception as exc:
+            if _is_actor_death(exc):
+                self.router.drop_engine(index)
+                raise EngineDied(str(exc)) from exc
+            raise
+        finally:
+            self.router.release(index)
+
+    def _seed(self, rollout_id: str, turn: int) -> int | None:
+        base = self.cfg.sampling.seed
+        if base is None:
+            return None
+        digest = hashlib.sha256(f"{base}:{rollout_id}:{turn}".encode()).digest()
+        return int.from_bytes(digest[:4], "little")
+
+    async def run_rollout(self, task: Task, group_id: str, rollout_id: str, renderer: Any) -> RolloutOutcome:
+        cfg = self.cfg
+        state = self.env.reset(task)
+        tools = self.env.tools
+        messages = [dict(m) for m in task.messages]
+        prompt = await call(renderer, "begin", rollout_id, messages, tools)
+        budget = cfg.max_tokens_per_rollout
+        finish = "max_turns"
+        busy = 0.0
+        turns = 0
+        for turn in range(cfg.max_turns):
+            max_tokens = min(cfg.max_tokens_per_turn, budget)
+            if max_tokens <= 0:
+                finish = "token_budget"
+                break
+            if len(prompt) + max_tokens > self.info.max_model_len:
+                finish = "context_limit"
+                break
+            sampling = SamplingParams(
+                max_tokens=max_tokens, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                top_k=cfg.sampling.top_k, seed=self._seed(rollout_id, turn), stop_token_ids=self.stop_token_ids,
+            )
+            request = GenerateRequest(request_id=f"{rollout_id}/{turn}", prompt_ids=prompt, sampling=sampling,
+                                      session_id=rollout_id)
+            t0 = time.perf_counter()
+            out = await self._generate(request, rollout_id)
+            busy += time.perf_counter() - t0
+            result = out.results[0]
+            turns = turn + 1
+            if result.finish_reason in ("error", "abort"):
+                raise RuntimeError(f"engine finished turn {turn} with {result.finish_reason}: {result.error}")
+            budget -= len(result.completion_ids)
+            parsed: ParsedResponse = await call(
+                renderer, "completed", rollout_id, turn, result.completion_ids, result.logprobs, len(messages),
+                result.weight_version,
+            )
+            messages.append(parsed.to_message())
+            if result.finish_reason == "length":
+                finish = "length"
+                break
+            step = await self.env.step(state, parsed)
+            if step.done:
+                finish = "env_done"
+                break
+            if not step.new_messages:
+                finish = "no_tool_call"
+                break
+            messages.extend(step.new_messages)
+            if turn + 1 < cfg.max_turns:
+                prompt = await call(renderer, "extend", rollout_id, turn + 1, step.new_messages, messages)
+        score = self.env.score(state, messages)
+        return RolloutOutcome(
+            rollout_id=rollout_id, task_id=task.task_id, group_id=group_id, finish_reason=finish,
+            reward=float(score.reward), components=dict(score.components), messages=messages, turns=turns,
+            completion_tokens=cfg.max_tokens_per_rollout - budget, engine_busy_s=busy,
+        )

@@ -1,0 +1,49 @@
+"""Sticky least-loaded routing: every turn of a rollout goes to the engine that holds its KV,
+unless that engine is overloaded — then to the least loaded one, which becomes the new home.
+
+Pure consistent hashing ignores load (a hot engine thrashes while others idle); pure least-loaded
+ignores locality (every turn re-prefills its whole history). This keeps locality until the load
+gap is large.
+"""
+
+from __future__ import annotations
+
+
+class StickyLeastLoaded:
+    """Routes sessions over ``n`` engines by in-flight request count.
+
+    ``acquire(session)`` returns an engine index and counts the request as in flight until
+    ``release(index)``. A session stays on its engine while that engine's load is at most
+    ``overload_factor`` x the least loaded engine's load (+1, so light loads never move).
+    """
+
+    def __init__(self, n: int, overload_factor: float = 1.5) -> None:
+        if n < 1:
+            raise ValueError("need at least one engine")
+        self.load = [0] * n
+        self.home: dict[str, int] = {}
+        self.overload_factor = overload_factor
+        self.moves = 0
+
+    def acquire(self, session: str) -> int:
+        least = min(range(len(self.load)), key=self.load.__getitem__)
+        home = self.home.get(session)
+        if home is None or self.load[home] > self.overload_factor * self.load[least] + 1:
+            if home is not None:
+                self.moves += 1
+            home = self.home[session] = least
+        self.load[home] += 1
+        return home
+
+    def release(self, index: int) -> None:
+        self.load[index] -= 1
+
+    def forget(self, session: str) -> None:
+        self.home.pop(session, None)
+
+    def drop_engine(self, index: int) -> None:
+        """An engine died: its sessions move on their next turn; it gets no new requests."""
+        self.load[index] = 1 << 30
+        for session, home in list(self.home.items()):
+            if home == index:
+                del self.home[session]

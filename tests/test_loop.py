@@ -1,0 +1,72 @@
+"""The rollout loop without Ray: a strict replay engine serves exactly the prompts the loop must
+send (computed here with the renderer and the environment), so any drift in what the loop renders,
+bridges or records fails the run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import renderers
+from rollout.config import RunConfig
+from rollout.engines.replay import ReplayEngine, ReplayRecord
+from rollout.envs.calculator import CalculatorEnv
+from rollout.loop import RolloutDriver
+from rollout.renderer_service import RendererService
+from rollout.shards import read_table
+
+from ._support import ours, tokenizer_dir
+
+
+def _script(env, task, r, tok):
+    """The two turns a correct model would take: a calculator call, then the answer."""
+    expression = task.metadata.get("expression") or task.messages[-1]["content"].split("compute ")[1].split(".")[0]
+    prompt0 = r.render_ids(task.messages, env.tools, add_generation_prompt=True)
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    c0 = tok.encode(f"<tool_call>\n{call}\n</tool_call><|im_end|>")
+    parsed0 = r.parse_response(c0, prompt0, env.tools)
+    step0 = asyncio.run(env.step(env.reset(task), parsed0))
+    prompt1 = r.bridge(prompt0, c0, step0.new_messages, env.tools).token_ids
+    c1 = tok.encode(f"{task.answer}<|im_end|>")
+    return [ReplayRecord(prompt0, c0, [-0.125] * len(c0), "stop", c0[-1]),
+            ReplayRecord(prompt1, c1, [-0.25] * len(c1), "stop", c1[-1])], c0, c1, prompt1
+
+
+def test_multi_turn_rollouts_write_exact_samples(tmp_path):
+    tok = ours("qwen2.5-7b-instruct")
+    r = renderers.create_renderer(tok)
+    env = CalculatorEnv()
+    good, bad = env.generate_tasks(2, seed=3)
+    records, c0, c1, prompt1 = _script(env, good, r, tok)
+    engine = ReplayEngine(records, vocab_size=tok.vocab_size, max_model_len=4096)
+    svc = RendererService(str(tokenizer_dir("qwen2.5-7b-instruct")), out_dir=str(tmp_path), rows_per_file=100)
+    cfg = RunConfig(group_size=2, max_turns=4, max_tokens_per_turn=64, max_tokens_per_rollout=256)
+    driver = RolloutDriver(cfg, env, [engine], [svc], engine.info(), list(r.stop_token_ids))
+    outcomes = asyncio.run(driver.run([good, bad]))
+    svc.close()
+
+    ok = [o for o in outcomes if o.task_id == good.task_id]
+    failed = [o for o in outcomes if o.task_id == bad.task_id]
+    assert [o.finish_reason for o in ok] == ["env_done", "env_done"]
+    assert all(o.reward == 1.0 and o.turns == 2 and o.error is None for o in ok)
+    # the task with no recorded completion fails cleanly; the run went on
+    assert len(failed) == 2 and all(o.finish_reason == "error" and "EngineError" in o.error for o in failed), failed[0].error
+
+    table = read_table(next(tmp_path.glob("shard-*.arrow")))
+    rows = table.to_pylist()
+    assert sorted(row["rollout_id"] for row in rows) == sorted(o.rollout_id for o in outcomes)  # each exactly once
+    for row in rows:
+        if row["task_id"] != good.task_id:
+            assert row["error"] and not any(row["loss_mask"])
+            continue
+        assert row["token_ids"] == prompt1 + c1  # the final prompt was the bridge's, append-only
+        trained = [t for t, m in zip(row["token_ids"], row["loss_mask"]) if m]
+        assert trained == c0 + c1  # exactly the engine's tokens
+        lps = [lp for lp, m in zip(row["logprobs"], row["loss_mask"]) if m]
+        assert lps == [-0.125] * len(c0) + [-0.25] * len(c1)
+        assert row["segment_count"] == 1 and json.loads(row["breaks"]) == []
+        assert row["advantage"] == 0.0 and row["reward"] == 1.0
+        messages = json.loads(row["messages"])
+        assert [m["role"] for m in messages][-3:] == ["assistant", "tool", "assistant"]
+        assert max(row["message_index"]) == len(messages) - 1
+    assert driver.finish_counts == {"env_done": 2, "error": 2}

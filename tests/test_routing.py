@@ -1,0 +1,31 @@
+from rollout.routing import StickyLeastLoaded
+
+
+def test_sticky_until_overloaded():
+    r = StickyLeastLoaded(2, overload_factor=1.5)
+    a = r.acquire("s1")
+    r.release(a)
+    assert all(r.acquire("s1") == a for _ in range(1))  # sticky across turns
+    r.release(a)
+    r.load[a] = 1  # busy, but not overloaded: stay
+    assert r.acquire("s1") == a
+    r.release(a)
+    r.load[a] = 6  # overloaded relative to the idle engine
+    moved = r.acquire("s1")
+    assert moved != a and r.moves == 1  # overloaded: moved to the least loaded engine
+    r.release(moved)
+    r.load[a] = 0
+    assert r.acquire("s1") == moved  # and stays at its new home
+
+
+def test_new_sessions_spread_by_load_not_hash():
+    r = StickyLeastLoaded(3)
+    homes = [r.acquire(f"s{i}") for i in range(6)]
+    assert sorted(homes) == [0, 0, 1, 1, 2, 2]
+
+
+def test_dead_engine_gets_nothing():
+    r = StickyLeastLoaded(2)
+    r.home["s"] = 0
+    r.drop_engine(0)
+    assert r.acquire("s") == 1 and r.acquire("t") == 1
