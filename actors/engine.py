@@ -1,0 +1,214 @@
+"""EngineActor: the Ray shell around any engine backend (embedded, vLLM, replay).
+
+The actor is built from a small picklable spec (backend kind + constructor kwargs) and constructs the backend
+inside itself, on the actor's event loop (vLLM's ``AsyncLLM`` binds to the loop that creates it). The logic stays
+in rollout/engines; this module only places it on Ray.
+
+* It is an async actor. ``generate`` runs in the default concurrency group, bounded by ``max_concurrency`` (the
+  number of generate calls in flight per engine). ``abort``, ``update_weights``, ``info``, ``health`` and ``start``
+  run in a separate "control" group, so an abort or a health probe is never queued behind a full set of
+  generate calls.
+* A bad request raises :class:`~rollout.engines.protocol.EngineError` inside the actor; Ray re-raises it on the
+  caller as an exception that is an instance of ``EngineError`` (and of ``ray.exceptions.RayTaskError``), and
+  the actor keeps serving.
+* Resources by kind (overridable per spec): vLLM takes one GPU (``num_gpus=1``, ``num_cpus=1``); the embedded
+  engine CPUs (``num_cpus=1``; fractions allowed, e.g. 0.5); replay nothing (``num_cpus=0``).
+
+Use :func:`start_engine_actors` with a config (a dict or a list of dicts, see :class:`EngineSpec`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from rollout.engines.protocol import EngineBackend, EngineInfo, GenerateOutput, GenerateRequest, decode_request
+
+BACKENDS: dict[str, str] = {
+    "replay": "rollout.engines.replay:ReplayEngine",
+    "embedded": "rollout.engines.embedded:EmbeddedEngine",
+    "vllm": "rollout.engines.vllm_backend:VLLMEngine",
+}
+DEFAULT_RESOURCES: dict[str, dict[str, float]] = {
+    "replay": {"num_cpus": 0.0, "num_gpus": 0.0},
+    "embedded": {"num_cpus": 1.0, "num_gpus": 0.0},
+    "vllm": {"num_cpus": 1.0, "num_gpus": 1.0},
+}
+CONTROL_GROUP = "control"
+CONTROL_CONCURRENCY = 16
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What to run: backend ``kind`` ("replay" | "embedded" | "vllm" | "module:Class"), its constructor ``kwargs``,
+    ``replicas`` identical actors, Ray resources (None: the kind's default) and ``max_concurrency`` (generate calls
+    in flight per actor). ``name`` names the actors ``<name>-<i>`` (detached lookups, debugging)."""
+
+    kind: str
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    replicas: int = 1
+    num_cpus: float | None = None
+    num_gpus: float | None = None
+    max_concurrency: int = 64
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in BACKENDS and ":" not in self.kind:
+            raise ValueError(f"unknown engine kind {self.kind!r}: expected one of {sorted(BACKENDS)} or 'module:Class'")
+        if self.replicas < 1 or self.max_concurrency < 1:
+            raise ValueError(f"replicas and max_concurrency must be >= 1 (got {self.replicas}, {self.max_concurrency})")
+        for what, v in (("num_cpus", self.num_cpus), ("num_gpus", self.num_gpus)):
+            if v is not None and v < 0:
+                raise ValueError(f"{what} must be >= 0, got {v}")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> EngineSpec:
+        """From a config dict with the field names above; unknown keys raise ValueError naming them."""
+        allowed = {f for f in cls.__dataclass_fields__}
+        unknown = set(config) - allowed
+        if unknown:
+            raise ValueError(f"unknown engine config keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+        return cls(**config)
+
+    def resources(self) -> dict[str, float]:
+        base = dict(DEFAULT_RESOURCES.get(self.kind, {"num_cpus": 1.0, "num_gpus": 0.0}))
+        if self.num_cpus is not None:
+            base["num_cpus"] = self.num_cpus
+        if self.num_gpus is not None:
+            base["num_gpus"] = self.num_gpus
+        return base
+
+
+async def build_backend(kind: str, kwargs: Mapping[str, Any]) -> EngineBackend:
+    """Import and construct a backend by kind (see :data:`BACKENDS`); an async ``create`` classmethod is
+    preferred when the class has one."""
+    target = BACKENDS.get(kind, kind)
+    module_name, _, cls_name = target.partition(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    create = getattr(cls, "create", None)
+    backend = await create(**kwargs) if inspect.iscoroutinefunction(create) else cls(**kwargs)
+    if not isinstance(backend, EngineBackend):
+        raise TypeError(f"{target} does not implement EngineBackend")
+    return backend
+
+
+class EngineActorImpl:
+    """The actor's body, usable without Ray. ``start()`` builds the backend (every other method calls it too)."""
+
+    def __init__(self, kind: str, kwargs: Mapping[str, Any] | None = None, name: str | None = None) -> None:
+        self.kind = kind
+        self.kwargs = dict(kwargs or {})
+        self.name = name or kind
+        self._backend: EngineBackend | None = None
+        self.stats = {"requests": 0, "errors": 0, "refused": 0, "in_flight": 0, "peak_in_flight": 0}
+
+    async def _ensure(self) -> EngineBackend:
+        if self._backend is None:
+            self._backend = await build_backend(self.kind, self.kwargs)
+        return self._backend
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def start(self) -> EngineInfo:
+        """Build the backend (if not yet built) and return its info: await it to surface startup errors."""
+        return (await self._ensure()).info()
+
+    async def generate(self, request: GenerateRequest | Mapping[str, Any] | bytes) -> GenerateOutput:
+        """Generate for a request (a GenerateRequest, or a dict / JSON bytes decoded strictly by decode_request).
+        Raises EngineError for a bad request; the actor keeps serving."""
+        backend = await self._ensure()
+        stats = self.stats
+        stats["requests"] += 1
+        stats["in_flight"] += 1
+        stats["peak_in_flight"] = max(stats["peak_in_flight"], stats["in_flight"])
+        try:
+            if not isinstance(request, GenerateRequest):
+                request = decode_request(request if isinstance(request, (bytes, str)) else dict(request))
+            out = await backend.generate(request)
+        except ValueError:  # EngineError and other refusals of this request
+            stats["refused"] += 1
+            raise
+        finally:
+            stats["in_flight"] -= 1
+        if any(r.finish_reason == "error" for r in out.results):
+            stats["errors"] += 1
+        return out
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def abort(self, request_id: str) -> bool:
+        return await (await self._ensure()).abort(request_id)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def update_weights(self, path: str, version: int) -> None:
+        await (await self._ensure()).update_weights(path, version)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def info(self) -> EngineInfo:
+        return (await self._ensure()).info()
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def health(self) -> dict[str, Any]:
+        """Liveness and load: ``ok``, the backend's own health (if it has ``health()``), info and counters."""
+        backend = await self._ensure()
+        report: dict[str, Any] = {"ok": True, "name": self.name, "kind": self.kind, **self.stats}
+        probe = getattr(backend, "health", None)
+        if callable(probe):
+            res = probe()
+            res = await res if inspect.isawaitable(res) else res
+            if isinstance(res, Mapping):
+                report["backend"] = dict(res)
+                report["ok"] = bool(res.get("ok", True))
+        info = backend.info()
+        report.update(model=info.model, weight_version=info.weight_version)
+        return report
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def close(self) -> None:
+        """Release the backend (vLLM's engine core, the embedded engine's worker thread)."""
+        backend, self._backend = self._backend, None
+        for name in ("aclose", "close", "shutdown"):
+            fn = getattr(backend, name, None)
+            if callable(fn):
+                res = fn()
+                if inspect.isawaitable(res):
+                    await res
+                return
+
+
+EngineActor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY})(EngineActorImpl)
+
+
+def _specs(config: EngineSpec | Mapping[str, Any] | Iterable[EngineSpec | Mapping[str, Any]]) -> list[EngineSpec]:
+    if isinstance(config, (EngineSpec, Mapping)):
+        config = [config]
+    return [c if isinstance(c, EngineSpec) else EngineSpec.from_config(c) for c in config]
+
+
+def start_engine_actors(
+    config: EngineSpec | Mapping[str, Any] | Sequence[EngineSpec | Mapping[str, Any]], *, wait: bool = True
+) -> list[Any]:
+    """Start the engine actors a config describes (each spec ``replicas`` times) and return their handles in order.
+
+    With ``wait`` (default), block until every backend is built; a backend that fails to build raises here
+    (the failed actors are killed) rather than at its first request.
+    """
+    handles: list[Any] = []
+    for spec in _specs(config):
+        for i in range(spec.replicas):
+            name = f"{spec.name}-{i}" if spec.name else None
+            opts: dict[str, Any] = dict(spec.resources(), max_concurrency=spec.max_concurrency)
+            if name:
+                opts["name"] = name
+            handles.append(EngineActor.options(**opts).remote(spec.kind, dict(spec.kwargs), name or spec.kind))
+    if wait:
+        try:
+            ray.get([h.start.remote() for h in handles])
+        except Exception:
+            for h in handles:
+                ray.kill(h)
+            raise
+    return handles

@@ -1,0 +1,455 @@
+"""The engine conformance suite: behaviour every :class:`rollout.engines.protocol.EngineBackend` must show.
+
+Each check is an ``async def check(backend) -> None`` that takes only the backend and derives everything else
+from ``backend.info()`` (vocabulary size, ``max_model_len``, eos ids) and from the backend's own outputs (e.g. the
+stop token is a token the backend itself sampled). A check raises ``AssertionError`` (or whatever the backend
+raised) on failure and :class:`ConformanceSkip` when it cannot apply (e.g. no weights path was given).
+
+Using it from a backend's test module (about ten lines)::
+
+    from tests.engine_conformance import conformance_tests
+
+    def make_backend():                       # sync or async; called once, inside the suite's event loop
+        return MyEngine(...)
+
+    TestMyEngineConformance = conformance_tests(make_backend, weights_path="/path/to/checkpoint")
+
+``conformance_tests`` returns a pytest test class with one parametrized test per entry of
+:data:`CONFORMANCE_CHECKS`. Backends hold loop-bound state (asyncio tasks, locks, vLLM's output handler), so the
+class creates ONE backend and ONE :class:`asyncio.Runner` for all of its checks (class-scoped fixture) and closes
+both at the end (``await backend.aclose()`` / ``close()`` / ``shutdown()`` if the backend has one).
+
+Weight updates: the ``weight_version`` check calls ``backend.update_weights(path, info().weight_version + 1)``.
+The path comes from the backend attribute ``conformance_weights_path`` (see :data:`WEIGHTS_PATH_ATTR`), which
+``conformance_tests(..., weights_path=...)`` sets; without one the check is skipped with a reason. Use a checkpoint
+of the SAME model (the check does not assume outputs change, only that results are stamped with the new version).
+
+Timing assumption of the ``abort`` check: a generation of ``min(max_model_len - prompt_len, 4096)`` tokens with
+``ignore_eos`` must still be running a moment after it starts (a fast fake engine needs a per-token delay).
+
+The checks, in order: ``info``, ``greedy_determinism``, ``seeded_sampling``, ``max_tokens``, ``stop_tokens``,
+``logprobs``, ``n_completions``, ``abort``, ``bad_input``, ``weight_version``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from rollout.engines.protocol import (
+    EngineBackend,
+    EngineError,
+    EngineInfo,
+    GenerateOutput,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    decode_request,
+)
+
+ConformanceCheck = Callable[[EngineBackend], Awaitable[None]]
+
+WEIGHTS_PATH_ATTR = "conformance_weights_path"
+"""Backend attribute holding the checkpoint path the ``weight_version`` check loads (absent/None: skipped)."""
+
+LOGPROB_ATOL = 1e-3  # identical greedy requests run alone: logprobs agree to this (fp32 CPU: ~1e-6; GPU kernels vary)
+VALID_FINISH = ("stop", "length", "abort", "error")
+
+
+class ConformanceSkip(Exception):
+    """A check that does not apply to this backend/configuration; the message says why."""
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+
+
+def _rid(tag: str) -> str:
+    return f"conf-{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def _prompts(info: EngineInfo, length: int = 8, count: int = 4) -> Iterator[list[int]]:
+    """Deterministic prompts of in-vocabulary, non-eos ids spread over the vocabulary (skipping the low,
+    usually special, ids when the vocabulary is large enough)."""
+    vocab = info.vocab_size
+    low = 32 if vocab > 1024 else 0
+    span = vocab - low
+    eos = set(info.eos_token_ids)
+    for p in range(count):
+        ids: list[int] = []
+        i = 0
+        while len(ids) < length:
+            t = low + ((p + 1) * 7919 + i * 104729 + i * i * 31) % span
+            i += 1
+            if t not in eos:
+                ids.append(t)
+        yield ids
+
+
+def _prompt(info: EngineInfo, length: int = 8) -> list[int]:
+    return next(_prompts(info, length))
+
+
+def _request(
+    prompt: list[int], *, tag: str = "req", max_tokens: int = 8, temperature: float = 0.0, **sampling: Any
+) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=_rid(tag),
+        prompt_ids=list(prompt),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, **sampling),
+    )
+
+
+def check_result(result: GenerateResult, request: GenerateRequest, info: EngineInfo) -> None:
+    """Invariants of every result: in-vocabulary ids, at most max_tokens of them, a valid finish reason, a stop
+    token that is the last id, logprobs (when returned) one finite value <= 0 per id, sane cache accounting."""
+    s = request.sampling
+    ids = result.completion_ids
+    assert result.finish_reason in VALID_FINISH, f"unknown finish_reason {result.finish_reason!r}"
+    if result.finish_reason == "error":
+        raise AssertionError(f"request {request.request_id} failed inside the engine: {result.error}")
+    assert all(isinstance(t, int) and 0 <= t < info.vocab_size for t in ids), f"ids outside the vocabulary: {ids}"
+    assert len(ids) <= s.max_tokens, f"{len(ids)} completion ids > max_tokens {s.max_tokens}"
+    if result.finish_reason == "length":
+        assert len(ids) == s.max_tokens or len(request.prompt_ids) + len(ids) == info.max_model_len, (
+            f"finish 'length' after {len(ids)} of max_tokens {s.max_tokens}"
+        )
+        assert result.stop_token_id is None, "finish 'length' with a stop_token_id"
+    if result.finish_reason == "stop":
+        allowed = set(s.stop_token_ids) | set(info.eos_token_ids)
+        assert result.stop_token_id is not None, "finish 'stop' without stop_token_id"
+        assert result.stop_token_id in allowed, f"stop_token_id {result.stop_token_id} not in {sorted(allowed)}"
+        assert ids and ids[-1] == result.stop_token_id, "the stop token must be the last completion id"
+    if s.logprobs:
+        assert result.logprobs is not None, "logprobs requested but not returned"
+    if result.logprobs is not None:
+        assert len(result.logprobs) == len(ids), f"{len(result.logprobs)} logprobs for {len(ids)} ids"
+        for lp in result.logprobs:
+            assert isinstance(lp, float) and math.isfinite(lp) and lp <= 1e-6, f"bad logprob {lp!r}"
+    assert 0 <= result.cached_prompt_tokens <= len(request.prompt_ids), (
+        f"cached_prompt_tokens {result.cached_prompt_tokens} outside [0, {len(request.prompt_ids)}]"
+    )
+
+
+async def run_checked(backend: EngineBackend, request: GenerateRequest) -> GenerateOutput:
+    """Generate and check the output's envelope and every result (see :func:`check_result`)."""
+    out = await backend.generate(request)
+    info = backend.info()
+    assert out.request_id == request.request_id, f"request_id {out.request_id!r} != {request.request_id!r}"
+    assert out.prompt_len == len(request.prompt_ids), f"prompt_len {out.prompt_len} != {len(request.prompt_ids)}"
+    assert len(out.results) == request.sampling.n, f"{len(out.results)} results for n={request.sampling.n}"
+    for r in out.results:
+        check_result(r, request, info)
+    return out
+
+
+async def _long_free_run(backend: EngineBackend, info: EngineInfo, max_tokens: int = 16) -> tuple[list[int], list]:
+    """A greedy, stop-free completion of exactly max_tokens ids for some deterministic prompt."""
+    prompt = _prompt(info)
+    out = await run_checked(backend, _request(prompt, tag="free", max_tokens=max_tokens, ignore_eos=True))
+    r = out.results[0]
+    assert r.finish_reason == "length" and len(r.completion_ids) == max_tokens, (
+        f"ignore_eos + no stop ids: expected {max_tokens} ids and finish 'length', got {len(r.completion_ids)} "
+        f"and {r.finish_reason!r}"
+    )
+    return prompt, r.completion_ids
+
+
+# ------------------------------------------------------------------------------------------------------ checks
+
+
+async def check_info(backend: EngineBackend) -> None:
+    """info() is an EngineInfo with a positive vocabulary and context, in-vocabulary eos ids, an int version."""
+    info = backend.info()
+    assert isinstance(info, EngineInfo), f"info() returned {type(info).__name__}"
+    assert info.backend and info.model, "info().backend and info().model must be non-empty"
+    assert info.vocab_size > 0 and info.max_model_len > 1, (
+        f"vocab_size {info.vocab_size}, max_model_len {info.max_model_len}"
+    )
+    assert all(0 <= t < info.vocab_size for t in info.eos_token_ids), f"eos ids {info.eos_token_ids} outside the vocab"
+    assert isinstance(info.weight_version, int)
+
+
+async def check_greedy_determinism(backend: EngineBackend) -> None:
+    """The same greedy request twice gives the same ids; n=2 greedy gives two identical completions."""
+    info = backend.info()
+    prompt = _prompt(info)
+    a = await run_checked(backend, _request(prompt, tag="greedy-a", max_tokens=12))
+    b = await run_checked(backend, _request(prompt, tag="greedy-b", max_tokens=12))
+    assert a.results[0].completion_ids == b.results[0].completion_ids, (
+        f"greedy is not deterministic: {a.results[0].completion_ids} vs {b.results[0].completion_ids}"
+    )
+    pair = await run_checked(backend, _request(prompt, tag="greedy-n2", max_tokens=12, n=2))
+    assert pair.results[0].completion_ids == pair.results[1].completion_ids == a.results[0].completion_ids, (
+        "greedy n=2 completions differ from each other or from the n=1 completion"
+    )
+
+
+async def check_seeded_sampling(backend: EngineBackend) -> None:
+    """Sampling at temperature 1 with the same seed twice gives the same ids."""
+    info = backend.info()
+    prompt = _prompt(info)
+    req = dict(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    a = await run_checked(backend, _request(prompt, tag="seed-a", **req))
+    b = await run_checked(backend, _request(prompt, tag="seed-b", **req))
+    assert a.results[0].completion_ids == b.results[0].completion_ids, "same seed, different completions"
+
+
+async def check_max_tokens(backend: EngineBackend) -> None:
+    """Without stop ids (ignore_eos) a completion has exactly max_tokens ids and finishes "length"."""
+    info = backend.info()
+    for max_tokens in (1, 5):
+        out = await run_checked(backend, _request(_prompt(info), tag="len", max_tokens=max_tokens, ignore_eos=True))
+        r = out.results[0]
+        assert len(r.completion_ids) == max_tokens, f"max_tokens={max_tokens}: got {len(r.completion_ids)} ids"
+        assert r.finish_reason == "length", f"max_tokens={max_tokens}: finish {r.finish_reason!r}, expected 'length'"
+        assert r.stop_token_id is None
+
+
+async def check_stop_tokens(backend: EngineBackend) -> None:
+    """A stop id (the 3rd token of a free greedy run) ends the completion at its first occurrence, included,
+    with finish "stop" and stop_token_id set; a stop id that never occurs changes nothing."""
+    info = backend.info()
+    eos = set(info.eos_token_ids)
+    tried = []
+    for prompt in _prompts(info):
+        free = await run_checked(backend, _request(prompt, tag="stop-free", max_tokens=16, ignore_eos=True))
+        ids = free.results[0].completion_ids
+        stop = ids[2]
+        expected = ids[: ids.index(stop) + 1]
+        if eos & set(expected[:-1]):  # the backend could legitimately stop earlier at an eos id
+            tried.append(ids)
+            continue
+        out = await run_checked(backend, _request(prompt, tag="stop", max_tokens=16, stop_token_ids=(stop,)))
+        r = out.results[0]
+        assert r.completion_ids == expected, f"stop id {stop}: expected {expected}, got {r.completion_ids}"
+        assert r.finish_reason == "stop", f"finish {r.finish_reason!r}, expected 'stop'"
+        assert r.stop_token_id == stop, f"stop_token_id {r.stop_token_id}, expected {stop}"
+        if r.logprobs is not None:
+            assert len(r.logprobs) == len(expected)
+        absent = next(t for t in range(info.vocab_size) if t not in ids and t not in eos)
+        out = await run_checked(backend, _request(prompt, tag="stop-absent", max_tokens=16, stop_token_ids=(absent,)))
+        if not eos & set(ids):
+            assert out.results[0].completion_ids == ids and out.results[0].finish_reason == "length", (
+                f"a stop id ({absent}) that never occurs changed the completion"
+            )
+        # ignore_eos keeps sampling through stop ids
+        out = await run_checked(
+            backend, _request(prompt, tag="stop-ignored", max_tokens=16, stop_token_ids=(stop,), ignore_eos=True)
+        )
+        assert out.results[0].completion_ids == ids, "ignore_eos=True must sample through stop ids"
+        return
+    raise AssertionError(f"every probe prompt hit an eos id before its 3rd token; free runs: {tried}")
+
+
+async def check_logprobs(backend: EngineBackend) -> None:
+    """One finite logprob <= 0 per completion id; identical greedy runs give the same values."""
+    info = backend.info()
+    prompt = _prompt(info)
+    runs = [
+        (await run_checked(backend, _request(prompt, tag=f"lp-{i}", max_tokens=10, logprobs=True))).results[0]
+        for i in range(2)
+    ]
+    a, b = runs
+    assert a.logprobs is not None and b.logprobs is not None
+    assert a.completion_ids == b.completion_ids
+    diff = max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0)
+    assert diff <= LOGPROB_ATOL, f"logprobs of identical greedy runs differ by {diff} (> {LOGPROB_ATOL})"
+    sampled = await run_checked(
+        backend, _request(prompt, tag="lp-sampled", max_tokens=10, temperature=1.0, seed=7, logprobs=True)
+    )
+    assert sampled.results[0].logprobs is not None and len(sampled.results[0].logprobs) == len(
+        sampled.results[0].completion_ids
+    )
+
+
+async def check_n_completions(backend: EngineBackend) -> None:
+    """n=3 sampled completions come back as three well-formed results in one output."""
+    info = backend.info()
+    out = await run_checked(
+        backend, _request(_prompt(info), tag="n3", max_tokens=6, temperature=1.0, seed=11, n=3, ignore_eos=True)
+    )
+    assert [len(r.completion_ids) for r in out.results] == [6, 6, 6]
+
+
+async def check_abort(backend: EngineBackend) -> None:
+    """Aborting a running generation ends it with finish "abort" (fewer than max_tokens ids, logprobs matching);
+    aborting an unknown id returns False; the engine then serves a new request normally."""
+    info = backend.info()
+    prompt = _prompt(info)
+    max_tokens = min(info.max_model_len - len(prompt), 4096)
+    req = _request(prompt, tag="abort", max_tokens=max_tokens, ignore_eos=True)
+    task = asyncio.ensure_future(backend.generate(req))
+    aborted = False
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30.0
+    await asyncio.sleep(0.02)
+    while not task.done() and loop.time() < deadline:
+        if await backend.abort(req.request_id):
+            aborted = True
+            break
+        await asyncio.sleep(0.01)
+    out = await asyncio.wait_for(task, 60.0)
+    assert aborted, (
+        f"abort({req.request_id!r}) never returned True while the request ran (it finished with "
+        f"{out.results[0].finish_reason!r} after {len(out.results[0].completion_ids)} tokens)"
+    )
+    r = out.results[0]
+    assert r.finish_reason == "abort", f"finish {r.finish_reason!r} after abort, expected 'abort'"
+    assert len(r.completion_ids) < max_tokens
+    if r.logprobs is not None:
+        assert len(r.logprobs) == len(r.completion_ids)
+    assert await backend.abort(_rid("unknown")) is False, "abort of an unknown request id must return False"
+    assert await backend.abort(req.request_id) is False, "abort of a finished request must return False"
+    after = await run_checked(backend, _request(prompt, tag="after-abort", max_tokens=4, ignore_eos=True))
+    assert after.results[0].finish_reason == "length"
+
+
+async def check_bad_input(backend: EngineBackend) -> None:
+    """Empty prompts, out-of-vocabulary ids and prompt + max_tokens over max_model_len each raise an EngineError
+    naming the request and the problem, while a concurrent valid request completes normally; a request dict
+    without max_tokens is refused by decode_request with an EngineError naming the field."""
+    info = backend.info()
+    prompt = _prompt(info)
+    over = info.max_model_len - len(prompt) + 1
+    bad: Sequence[tuple[GenerateRequest, str]] = [
+        (_request([], tag="bad-empty"), "empty"),
+        (_request(prompt[:-1] + [info.vocab_size], tag="bad-vocab"), "vocab"),
+        (_request(prompt[:-1] + [-1], tag="bad-negative"), "vocab"),
+        (_request(prompt, tag="bad-long", max_tokens=over), "max_model_len"),
+    ]
+    good = _request(prompt, tag="good", max_tokens=24, ignore_eos=True)
+    good_task = asyncio.ensure_future(backend.generate(good))
+    await asyncio.sleep(0)
+    for req, word in bad:
+        try:
+            await backend.generate(req)
+        except EngineError as exc:
+            msg = str(exc)
+            assert req.request_id in msg, f"EngineError does not name the request: {msg!r}"
+            assert word in msg.lower(), f"EngineError for {req.request_id} does not mention {word!r}: {msg!r}"
+        else:
+            raise AssertionError(f"{req.request_id}: expected EngineError, the engine accepted it")
+    out = await asyncio.wait_for(good_task, 120.0)
+    assert out.results[0].finish_reason == "length" and len(out.results[0].completion_ids) == 24, (
+        "the valid request running next to the bad ones did not complete normally"
+    )
+    for r in out.results:
+        check_result(r, good, info)
+    raw = {"request_id": _rid("no-max"), "prompt_ids": prompt, "sampling": {"temperature": 0.0}}
+    with pytest.raises(EngineError, match="max_tokens"):
+        decode_request(raw)
+    await run_checked(backend, _request(prompt, tag="after-bad", max_tokens=3, ignore_eos=True))
+
+
+async def check_weight_version(backend: EngineBackend) -> None:
+    """update_weights(path, v+1) makes info().weight_version and every later result carry v+1."""
+    path = getattr(backend, WEIGHTS_PATH_ATTR, None)
+    if not path:
+        raise ConformanceSkip(
+            f"no weights path: pass conformance_tests(..., weights_path=...) or set backend.{WEIGHTS_PATH_ATTR}"
+        )
+    info = backend.info()
+    before = await run_checked(backend, _request(_prompt(info), tag="wv-before", max_tokens=3, ignore_eos=True))
+    assert all(r.weight_version == info.weight_version for r in before.results), (
+        f"results carry {[r.weight_version for r in before.results]}, info() says {info.weight_version}"
+    )
+    version = info.weight_version + 1
+    await backend.update_weights(str(path), version)
+    assert backend.info().weight_version == version, (
+        f"info().weight_version {backend.info().weight_version} != {version}"
+    )
+    after = await run_checked(backend, _request(_prompt(info), tag="wv-after", max_tokens=3, n=2, ignore_eos=True))
+    assert [r.weight_version for r in after.results] == [version, version], (
+        f"results after update_weights carry {[r.weight_version for r in after.results]}, expected {version}"
+    )
+
+
+CONFORMANCE_CHECKS: dict[str, ConformanceCheck] = {
+    "info": check_info,
+    "greedy_determinism": check_greedy_determinism,
+    "seeded_sampling": check_seeded_sampling,
+    "max_tokens": check_max_tokens,
+    "stop_tokens": check_stop_tokens,
+    "logprobs": check_logprobs,
+    "n_completions": check_n_completions,
+    "abort": check_abort,
+    "bad_input": check_bad_input,
+    "weight_version": check_weight_version,
+}
+
+
+# ------------------------------------------------------------------------------------------------ pytest glue
+
+
+async def _close(backend: Any) -> None:
+    for name in ("aclose", "close", "shutdown"):
+        fn = getattr(backend, name, None)
+        if callable(fn):
+            res = fn()
+            if inspect.isawaitable(res):
+                await res
+            return
+
+
+def conformance_tests(
+    make_backend: Callable[[], Any],
+    *,
+    weights_path: str | None = None,
+    skip: Mapping[str, str] | None = None,
+    extra_checks: Mapping[str, ConformanceCheck] | None = None,
+    timeout_s: float = 180.0,
+) -> type:
+    """A pytest test class running every check of :data:`CONFORMANCE_CHECKS` against one backend.
+
+    ``make_backend()`` (sync, or returning an awaitable) is called once, inside the class's event loop.
+    ``weights_path`` is stored on the backend as ``conformance_weights_path`` for the ``weight_version`` check.
+    ``skip`` maps check names to reasons (reported as skips, never silently dropped). Each check is bounded by
+    ``timeout_s``. ``extra_checks`` adds backend-specific checks (same signature) run on the same backend after
+    the standard ones. Assign the result to a module-level name starting with ``Test``.
+    """
+    skips = dict(skip or {})
+    checks = {**CONFORMANCE_CHECKS, **dict(extra_checks or {})}
+    if len(checks) != len(CONFORMANCE_CHECKS) + len(extra_checks or {}):
+        raise ValueError("extra_checks may not reuse the name of a standard check")
+    unknown = set(skips) - set(checks)
+    if unknown:
+        raise ValueError(f"unknown conformance checks in skip: {sorted(unknown)}")
+
+    class Conformance:
+        @pytest.fixture(scope="class")
+        @classmethod
+        def conformance_engine(cls) -> Iterator[tuple[asyncio.Runner, Any]]:
+            runner = asyncio.Runner()
+
+            async def build() -> Any:
+                backend = make_backend()
+                if inspect.isawaitable(backend):
+                    backend = await backend
+                if weights_path is not None:
+                    setattr(backend, WEIGHTS_PATH_ATTR, weights_path)
+                return backend
+
+            try:
+                backend = runner.run(build())
+                yield runner, backend
+                runner.run(_close(backend))
+            finally:
+                runner.close()
+
+        @pytest.mark.parametrize("check", list(checks))
+        def test_conformance(self, conformance_engine: tuple[asyncio.Runner, Any], check: str) -> None:
+            if check in skips:
+                pytest.skip(skips[check])
+            runner, backend = conformance_engine
+            try:
+                runner.run(asyncio.wait_for(checks[check](backend), timeout_s))
+            except ConformanceSkip as exc:
+                pytest.skip(str(exc))
+
+    return Conformance
