@@ -26,8 +26,8 @@ class EngineConfig(_Strict):
     count: int = Field(1, ge=1, description="engine actors to start")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the backend")
     max_concurrency: int = Field(64, ge=1, description="requests one engine actor serves at once")
-    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs per engine actor (embedded)")
-    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per engine actor (vllm)")
+    num_cpus: float | None = Field(None, ge=0, description="Ray CPUs per engine actor (default: embedded 1, vllm 1, replay 0)")
+    num_gpus: float | None = Field(None, ge=0, description="Ray GPUs per engine actor (default: vllm 1, others 0)")
     overload_factor: float = Field(1.5, gt=1, description="sticky routing leaves an engine busier than this x the least loaded")
 
 

@@ -1,0 +1,60 @@
+"""``tito run`` and ``tito inspect``: the main job and a look at its output."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_run(args) -> int:
+    from .config import load_config
+    from .run import print_summary, run
+
+    overrides = list(args.set)
+    if args.format:
+        overrides.append(f"output.format={args.format}")
+    if args.address:
+        overrides.append(f"ray.address={args.address}")
+    if args.out:
+        overrides.append(f"output.dir={args.out}")
+    cfg = load_config(args.config, overrides)
+    summary = run(cfg, resume=args.resume, progress=not args.quiet)
+    print(f"tito run: {cfg.output.dir}")
+    print_summary(summary)
+    return 0 if summary["rollouts"] else 1
+
+
+def cmd_inspect(args) -> int:
+    from renderers import load_tokenizer
+
+    from .inspect_shards import _sample, inspect
+    from .models import resolve_model
+
+    tokenizer = None
+    if not args.no_sample:
+        model = args.model or _sample(args.path, args.sample)["model"]
+        tokenizer = load_tokenizer(resolve_model(model))
+    print(inspect(args.path, sample=args.sample, html_out=args.html, tokenizer=tokenizer))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="run rollouts from a config and write training shards")
+    run.add_argument("config", help="YAML run configuration (see configs/demo.yaml)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set group_size=8 (repeatable)")
+    run.add_argument("--format", choices=["arrow", "parquet"], help="shard format (default from the config)")
+    run.add_argument("--address", help="join this Ray cluster instead of starting a local one")
+    run.add_argument("--out", help="output directory (default from the config)")
+    run.add_argument("--resume", action="store_true", help="continue a run: skip groups already in the shards")
+    run.add_argument("--quiet", action="store_true", help="no progress line")
+    run.set_defaults(func=cmd_run)
+
+    ins = sub.add_parser("inspect", help="summarise shards and show one sample with its trainable tokens")
+    ins.add_argument("path", help="a shard directory or file")
+    ins.add_argument("--sample", type=int, default=0, help="row to show (default 0)")
+    ins.add_argument("--html", help="write the sample as an HTML page to this file")
+    ins.add_argument("--model", help="tokenizer to decode with (default: the shards' model)")
+    ins.add_argument("--no-sample", action="store_true", help="only the summary")
+    ins.set_defaults(func=cmd_inspect)
+
+

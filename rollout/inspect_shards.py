@@ -1,0 +1,118 @@
+"""``tito inspect PATH``: what a shard directory (or file) holds, and one sample with its trainable
+tokens highlighted (ANSI in a terminal, or an HTML page)."""
+
+from __future__ import annotations
+
+import html
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .shards import read_table
+
+SHARD_SUFFIXES = (".arrow", ".parquet")
+
+
+def shard_files(path: str | Path) -> list[Path]:
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.glob("shard-*") if f.suffix in SHARD_SUFFIXES)
+        if files:
+            return files
+        raise ValueError(f"{p}: no shard files (shard-*.arrow / shard-*.parquet)")
+    raise ValueError(f"{p}: no such file or directory")
+
+
+def summarize(path: str | Path) -> dict[str, Any]:
+    rows = tokens = trainable = 0
+    rewards: list[float] = []
+    segments_per_rollout: dict[str, int] = {}
+    finish: dict[str, int] = {}
+    errors = 0
+    for f in shard_files(path):
+        t = read_table(f)
+        rows += t.num_rows
+        cols = t.select(["loss_mask", "reward", "rollout_id", "segment_count", "finish_reason", "error", "segment_index"]).to_pylist()
+        for c, lens in zip(cols, t.column("token_ids").to_pylist()):
+            tokens += len(lens)
+            trainable += sum(c["loss_mask"])
+            if c["segment_index"] == 0:
+                rewards.append(c["reward"])
+                segments_per_rollout[c["rollout_id"]] = c["segment_count"]
+                finish[c["finish_reason"]] = finish.get(c["finish_reason"], 0) + 1
+                errors += c["error"] is not None
+    n = len(segments_per_rollout)
+    return {
+        "files": len(shard_files(path)), "rows": rows, "rollouts": n, "tokens": tokens,
+        "trainable_fraction": trainable / tokens if tokens else 0.0,
+        "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+        "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "rollouts_with_breaks": sum(1 for s in segments_per_rollout.values() if s > 1),
+        "extra_segments_from_breaks": sum(s - 1 for s in segments_per_rollout.values()),
+        "finish_reasons": finish, "errors": errors,
+    }
+
+
+def _sample(path: str | Path, index: int) -> dict[str, Any]:
+    seen = 0
+    for f in shard_files(path):
+        t = read_table(f)
+        if index < seen + t.num_rows:
+            return t.slice(index - seen, 1).to_pylist()[0]
+        seen += t.num_rows
+    raise ValueError(f"sample {index} is out of range: the shards hold {seen} rows")
+
+
+def _pieces(row: dict, tokenizer) -> list[tuple[str, bool]]:
+    """Decoded runs of tokens with the same trainability (decoding runs, not single tokens, keeps
+    multi-byte characters whole)."""
+    out: list[tuple[str, bool]] = []
+    ids, mask = row["token_ids"], row["loss_mask"]
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            out.append((tokenizer.decode(ids[start:i]), bool(mask[start])))
+            start = i
+    return out
+
+
+def render_terminal(row: dict, tokenizer) -> str:
+    head = (f"rollout {row['rollout_id']}  segment {row['segment_index'] + 1}/{row['segment_count']}  "
+            f"reward {row['reward']:.3f}  advantage {row['advantage']:.3f}  finish {row['finish_reason']}\n"
+            "trainable tokens in green\n\n")
+    body = "".join(f"\x1b[42;30m{text}\x1b[0m" if trainable else text for text, trainable in _pieces(row, tokenizer))
+    breaks = json.loads(row["breaks"])
+    tail = "\n\nbreaks: " + (", ".join(f"turn {b['turn']} {b['reason']}" for b in breaks) if breaks else "none")
+    return head + body + tail
+
+
+def render_html(row: dict, tokenizer) -> str:
+    spans = "".join(
+        f'<span class="{"t" if trainable else "c"}">{html.escape(text)}</span>' for text, trainable in _pieces(row, tokenizer)
+    )
+    title = html.escape(f"rollout {row['rollout_id']} segment {row['segment_index'] + 1}/{row['segment_count']}")
+    return (
+        "<!doctype html><meta charset=utf-8><title>tito sample</title><style>"
+        "body{font-family:sans-serif;margin:2em}pre{white-space:pre-wrap;font-size:14px}"
+        ".t{background:#b7f0b1}.c{color:#555}</style>"
+        f"<h1>{title}</h1><p>reward {row['reward']:.3f} · advantage {row['advantage']:.3f} · finish "
+        f"{html.escape(row['finish_reason'])} · <span class=t>trainable</span> / <span class=c>context</span></p>"
+        f"<pre>{spans}</pre>"
+    )
+
+
+def inspect(path: str | Path, *, sample: int = 0, html_out: str | None = None, tokenizer=None) -> str:
+    """The summary text, plus the sample rendered for the terminal (or written as HTML)."""
+    summary = summarize(path)
+    lines = [f"  {k:<28} {v}" for k, v in summary.items()]
+    text = "shards: " + str(path) + "\n" + "\n".join(lines)
+    if tokenizer is None:
+        return text
+    row = _sample(path, sample)
+    if html_out:
+        Path(html_out).write_text(render_html(row, tokenizer), encoding="utf-8")
+        return text + f"\n\nsample {sample} written to {html_out}"
+    return text + "\n\n" + render_terminal(row, tokenizer)
