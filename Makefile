@@ -21,7 +21,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/tito render smollm2-135m --messages configs/sample_conversation.json --generation-prompt
+	rm -rf out/demo
+	$(VENV)/bin/tito run configs/demo.yaml --out out/demo
+	$(VENV)/bin/tito inspect out/demo --sample 0
 
 test: $(STAMP)
 	$(PY) -m pytest -q
