@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from renderers import ParsedResponse
+from renderers import Renderer
 
 from .config import RunConfig
 from .engines.protocol import EngineInfo, GenerateRequest, SamplingParams
@@ -53,6 +53,7 @@ class RolloutOutcome(msgspec.Struct):
     engine_busy_s: float = 0.0
     error: str | None = None
     advantage: float = 0.0
+    last_turn: tuple | None = None  # the final completion, recorded by the renderer with the samples
 
 
 def _is_actor_death(exc: BaseException) -> bool:
@@ -71,7 +72,7 @@ class RolloutDriver:
         engines: list[Any],
         renderers: list[Any],
         engine_info: EngineInfo,
-        stop_token_ids: list[int],
+        parser: Renderer,
         on_progress: Callable[[RolloutOutcome], None] | None = None,
     ) -> None:
         self.cfg = cfg
@@ -79,7 +80,8 @@ class RolloutDriver:
         self.engines = engines
         self.renderers = renderers
         self.info = engine_info
-        self.stop_token_ids = tuple(stop_token_ids)
+        self.parser = parser  # parses completions here: same code and tokenizer as the renderer actors
+        self.stop_token_ids = tuple(parser.stop_token_ids)
         self.router = StickyLeastLoaded(len(engines), cfg.engine.overload_factor)
         self.on_progress = on_progress
         self.limit = asyncio.Semaphore(cfg.max_concurrent_rollouts)
@@ -102,7 +104,7 @@ class RolloutDriver:
         for o in outcomes:
             meta = {"task_id": o.task_id, "group_id": o.group_id, "reward": o.reward, "reward_components": o.components,
                     "advantage": o.advantage, "finish_reason": o.finish_reason, "messages": o.messages, "error": o.error}
-            await call(renderer, "finish", o.rollout_id, meta)
+            await call(renderer, "finish", o.rollout_id, meta, o.last_turn)
         return list(outcomes)
 
     def _advantages(self, outcomes: list[RolloutOutcome]) -> None:
@@ -172,6 +174,7 @@ class RolloutDriver:
         prompt = await call(renderer, "begin", rollout_id, messages, tools)
         budget = cfg.max_tokens_per_rollout
         finish = "max_turns"
+        last_turn = None
         busy = 0.0
         turns = 0
         for turn in range(cfg.max_turns):
@@ -196,11 +199,10 @@ class RolloutDriver:
             if result.finish_reason in ("error", "abort"):
                 raise RuntimeError(f"engine finished turn {turn} with {result.finish_reason}: {result.error}")
             budget -= len(result.completion_ids)
-            parsed: ParsedResponse = await call(
-                renderer, "completed", rollout_id, turn, result.completion_ids, result.logprobs, len(messages),
-                result.weight_version,
-            )
-            messages.append(parsed.to_message())
+            parsed = self.parser.parse_response(result.completion_ids, prompt, tools)
+            assistant = parsed.to_message()
+            messages.append(assistant)
+            last_turn = (turn, result.completion_ids, result.logprobs, result.weight_version, assistant)
             if result.finish_reason == "length":
                 finish = "length"
                 break
@@ -213,10 +215,12 @@ class RolloutDriver:
                 break
             messages.extend(step.new_messages)
             if turn + 1 < cfg.max_turns:
-                prompt = await call(renderer, "extend", rollout_id, turn + 1, step.new_messages, messages)
+                kind, ids = await call(renderer, "extend", rollout_id, last_turn, step.new_messages)
+                prompt = [*prompt, *result.completion_ids, *ids] if kind == "append" else ids
+                last_turn = None
         score = self.env.score(state, messages)
         return RolloutOutcome(
             rollout_id=rollout_id, task_id=task.task_id, group_id=group_id, finish_reason=finish,
             reward=float(score.reward), components=dict(score.components), messages=messages, turns=turns,
-            completion_tokens=cfg.max_tokens_per_rollout - budget, engine_busy_s=busy,
+            completion_tokens=cfg.max_tokens_per_rollout - budget, engine_busy_s=busy, last_turn=last_turn,
         )

@@ -11,23 +11,30 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import renderers
-from renderers import Break, ParsedResponse
+from renderers import Break
 
 from .samples import SampleBuilder, Segment
 from .shards import ShardWriter
 
+# One turn's result as the driver reports it: (turn, completion ids, logprobs, weight version,
+# the parsed assistant message). The driver parses (the same renderer code on the same tokenizer), so
+# a turn costs one call to this service instead of two.
+Turn = tuple[int, list[int], "list[float] | None", int, dict]
+
 
 class _Rollout:
-    __slots__ = ("builder", "tools", "breaks", "weight_versions", "last_completion_len")
+    __slots__ = ("builder", "tools", "messages", "breaks", "weight_versions", "last_completion_len")
 
-    def __init__(self, tools: list[dict] | None) -> None:
+    def __init__(self, tools: list[dict] | None, messages: list[dict] | None = None) -> None:
         self.builder = SampleBuilder()
         self.tools = tools
+        self.messages = list(messages or [])  # the conversation so far, for a full render after a Break
         self.breaks: list[dict] = []
         self.weight_versions: list[list[int]] = []  # per segment
         self.last_completion_len = 0
@@ -55,6 +62,7 @@ class RendererService:
         self.rollouts: dict[str, _Rollout] = {}
         self.break_counts: Counter[str] = Counter()
         self.turns_bridged = 0
+        self._cpu_start = time.process_time()  # this process's CPU time, for the capacity figure in close()
         self._lock = threading.Lock()
         self.writer = ShardWriter(out_dir, stream=stream, fmt=fmt, rows_per_file=rows_per_file) if out_dir else None
         self._breaks_path = Path(out_dir) / "breaks.jsonl" if out_dir else None
@@ -68,50 +76,51 @@ class RendererService:
 
     def begin(self, rollout_id: str, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """The first prompt (raises ValueError naming the problem for a task that cannot be rendered)."""
-        ro = _Rollout(tools)
+        ro = _Rollout(tools, messages)
         ro.builder.start_segment(self.renderer.render(messages, tools, add_generation_prompt=True), turn=0)
         ro.weight_versions.append([])
         self.rollouts[rollout_id] = ro
         return list(ro.builder.prompt_ids())
 
-    def completed(
-        self, rollout_id: str, turn: int, completion_ids: list[int], logprobs: list[float] | None,
-        message_index: int, weight_version: int = 0,
-    ) -> ParsedResponse:
-        """Record the engine's completion (trainable) and parse it."""
-        ro = self.rollouts[rollout_id]
-        prompt = ro.builder.prompt_ids()
-        parsed = self.renderer.parse_response(completion_ids, prompt, ro.tools)
-        ro.builder.add_completion(completion_ids, logprobs, message_index, turn)
+    def _record(self, ro: _Rollout, turn: int, completion_ids: list[int], logprobs: list[float] | None,
+                weight_version: int, assistant_message: dict) -> None:
+        ro.builder.add_completion(completion_ids, logprobs, len(ro.messages), turn)
+        ro.messages.append(assistant_message)
         ro.last_completion_len = len(completion_ids)
         ro.weight_versions[-1].append(weight_version)
-        return parsed
 
-    def extend(self, rollout_id: str, turn: int, new_messages: list[dict], messages: list[dict]) -> list[int]:
-        """The next prompt: the bridge's append-only extension, or on a Break a full render of
-        ``messages`` (the whole conversation so far) that starts a new segment."""
+    def extend(self, rollout_id: str, turn: Turn, new_messages: list[dict]) -> tuple[str, list[int]]:
+        """Record a turn's completion (trainable tokens, its parsed assistant message) and return the
+        next prompt after ``new_messages``: ``("append", ids)`` — the ids to append to the previous
+        prompt + completion (the bridge) — or, on a Break, ``("reset", ids)`` — a full render of the
+        conversation so far, which starts a new segment. Only new tokens cross the wire."""
         ro = self.rollouts[rollout_id]
+        self._record(ro, *turn)
         ids = ro.builder.current.token_ids
         cut = len(ids) - ro.last_completion_len
-        prompt, completion = ids[:cut], ids[cut:]
-        result = self.renderer.bridge(prompt, completion, new_messages, ro.tools)
-        offset = len(messages) - len(new_messages)
+        result = self.renderer.bridge(ids[:cut], ids[cut:], new_messages, ro.tools)
+        offset = len(ro.messages)
+        ro.messages.extend(new_messages)
+        next_turn = turn[0] + 1
         if isinstance(result, Break):
-            self._log_break(rollout_id, turn, result)
-            ro.breaks.append({"turn": turn, "reason": str(result.reason), "detail": result.detail, "position": result.position})
-            ro.builder.start_segment(self.renderer.render(messages, ro.tools, add_generation_prompt=True), turn=turn)
+            self._log_break(rollout_id, next_turn, result)
+            ro.breaks.append({"turn": next_turn, "reason": str(result.reason), "detail": result.detail,
+                              "position": result.position})
+            ro.builder.start_segment(self.renderer.render(ro.messages, ro.tools, add_generation_prompt=True), turn=next_turn)
             ro.weight_versions.append([])
-        else:
-            ro.builder.add_bridge(result, offset, turn)
-            with self._lock:
-                self.turns_bridged += 1
-        return list(ro.builder.prompt_ids())
+            return "reset", list(ro.builder.prompt_ids())
+        ro.builder.add_bridge(result, offset, next_turn)
+        with self._lock:
+            self.turns_bridged += 1
+        return "append", result.appended.token_ids
 
-    def finish(self, rollout_id: str, meta: dict[str, Any]) -> int:
-        """Write the rollout's samples (one row per segment) with the driver's metadata
-        (task/group ids, reward, components, advantage, finish reason, messages, error).
-        Returns the number of rows."""
+    def finish(self, rollout_id: str, meta: dict[str, Any], last_turn: Turn | None = None) -> int:
+        """Record the last turn's completion (if it was not bridged) and write the rollout's samples
+        (one row per segment) with the driver's metadata (task/group ids, reward, components,
+        advantage, finish reason, messages, error). Returns the number of rows."""
         ro = self.rollouts.pop(rollout_id, None)
+        if ro is not None and last_turn is not None:
+            self._record(ro, *last_turn)
         if ro is None:  # failed before its first render: one empty row keeps the rollout accounted for
             ro = _Rollout(None)
             ro.builder.segments.append(Segment())
@@ -147,7 +156,8 @@ class RendererService:
 
     def close(self) -> dict:
         files = self.writer.close() if self.writer is not None else []
-        return {"files": files, "break_counts": dict(self.break_counts), "turns_bridged": self.turns_bridged}
+        return {"files": files, "break_counts": dict(self.break_counts), "turns_bridged": self.turns_bridged,
+                "cpu_s": time.process_time() - self._cpu_start}
 
     def _log_break(self, rollout_id: str, turn: int, brk: Break) -> None:
         with self._lock:

@@ -8,6 +8,8 @@ gap is large.
 
 from __future__ import annotations
 
+import time
+
 
 class StickyLeastLoaded:
     """Routes sessions over ``n`` engines by in-flight request count.
@@ -24,6 +26,8 @@ class StickyLeastLoaded:
         self.home: dict[str, int] = {}
         self.overload_factor = overload_factor
         self.moves = 0
+        self.busy_s = [0.0] * n  # wall time each engine had at least one request in flight
+        self._busy_since: list[float | None] = [None] * n
 
     def acquire(self, session: str) -> int:
         least = min(range(len(self.load)), key=self.load.__getitem__)
@@ -32,11 +36,17 @@ class StickyLeastLoaded:
             if home is not None:
                 self.moves += 1
             home = self.home[session] = least
+        if self.load[home] == 0:
+            self._busy_since[home] = time.perf_counter()
         self.load[home] += 1
         return home
 
     def release(self, index: int) -> None:
         self.load[index] -= 1
+        since = self._busy_since[index]
+        if self.load[index] == 0 and since is not None:
+            self.busy_s[index] += time.perf_counter() - since
+            self._busy_since[index] = None
 
     def forget(self, session: str) -> None:
         self.home.pop(session, None)

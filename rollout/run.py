@@ -83,7 +83,7 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
 
     from actors.engine import start_engine_actors
     from actors.renderer import start_renderer_actors
-    from renderers import load_tokenizer
+    from renderers import create_renderer, load_tokenizer
 
     from .envs import load_tasks, make_env
 
@@ -115,9 +115,12 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
         rows_per_file=cfg.output.rows_per_file, model_name=cfg.model,
     )
     rinfo = ray.get(renderer_actors[0].info.remote())
+    # the driver parses completions itself (same renderer code and tokenizer as the renderer actors)
+    parser = create_renderer(load_tokenizer(model_path), name=cfg.renderer.name,
+                             thinking_retention=cfg.renderer.thinking_retention, **cfg.renderer.template_kwargs)
     startup_s = time.perf_counter() - t0
     bar = Progress(len(tasks) * cfg.group_size, enabled=progress)
-    driver = RolloutDriver(cfg, env, engines, renderer_actors, infos[0], rinfo["stop_token_ids"], on_progress=bar)
+    driver = RolloutDriver(cfg, env, engines, renderer_actors, infos[0], parser, on_progress=bar)
     t1 = time.perf_counter()
     outcomes = asyncio.run(driver.run(tasks))
     wall_s = time.perf_counter() - t1
@@ -141,13 +144,14 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
         "break_rate": (sum(break_counts.values()) / turns) if turns else 0.0,
         "reruns_after_engine_death": driver.reruns,
         "wall_s": round(wall_s, 3), "startup_s": round(startup_s, 3),
-        "engine_busy_s": round(sum(o.engine_busy_s for o in outcomes), 3),
+        # wall time each engine had a request in flight; wall / busy is the orchestration overhead
+        "engine_busy_s": [round(b, 3) for b in driver.router.busy_s],
+        "overhead": round(wall_s / max(max(driver.router.busy_s), 1e-9), 3),
         "renderer": rinfo["renderer"], "template_sha256": rinfo["template_sha256"],
         "model": cfg.model, "engine": cfg.engine.backend,
     }
     write_manifest(out_dir, previous + files, {"summary": "summary.json"})
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    _ = load_tokenizer  # the renderer actors load it; imported here so a missing dependency fails early
     for actor in engines + renderer_actors:
         ray.kill(actor)
     return summary

@@ -41,7 +41,7 @@ def test_multi_turn_rollouts_write_exact_samples(tmp_path):
     engine = ReplayEngine(records, vocab_size=tok.vocab_size, max_model_len=4096)
     svc = RendererService(str(tokenizer_dir("qwen2.5-7b-instruct")), out_dir=str(tmp_path), rows_per_file=100)
     cfg = RunConfig(group_size=2, max_turns=4, max_tokens_per_turn=64, max_tokens_per_rollout=256)
-    driver = RolloutDriver(cfg, env, [engine], [svc], engine.info(), list(r.stop_token_ids))
+    driver = RolloutDriver(cfg, env, [engine], [svc], engine.info(), r)
     outcomes = asyncio.run(driver.run([good, bad]))
     svc.close()
 

@@ -91,7 +91,7 @@ def test_engine_killed_mid_run_loses_and_duplicates_nothing(tmp_path):
     svc = RendererService(cfg.model, out_dir=str(tmp_path / "out"))
     env = make_env("try_again")
     tasks = env.generate_tasks(4, 0)
-    driver = RolloutDriver(cfg, env, engines, [svc], info, list(svc.renderer.stop_token_ids))
+    driver = RolloutDriver(cfg, env, engines, [svc], info, svc.renderer)
 
     async def main():
         job = asyncio.create_task(driver.run(tasks))
