@@ -198,7 +198,10 @@ def write(path: Path, rep: dict, emb: dict | None, args) -> None:
                   "| rollouts | turns | sampled tokens | wall s | engine busy s | overhead (wall / busy) |",
                   "|---:|---:|---:|---:|---:|---:|",
                   f"| {s['rollouts']} | {s['turns']} | {s['completion_tokens']} | {s['wall_s']:.2f} | "
-                  f"{max(s['engine_busy_s']):.2f} | {s['overhead']:.3f} |",
+                  f"{max(s['engine_busy_s']):.2f} | {s['overhead']:.3f} |", "",
+                  "Engine busy = the wall time during which the engine had at least one generate request in flight "
+                  "(tracked by the router); the overhead is the time the engine sat idle waiting for rendering, "
+                  "parsing, environment steps or scheduling.",
                   "", "### Shard size", "",
                   "| format | bytes per token |", "|---|---:|",
                   f"| Arrow IPC | {emb['bytes_per_token']['arrow']:.2f} |",
