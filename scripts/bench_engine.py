@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from benchdoc import markers, replace_section  # noqa: E402
 
 from rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from rollout.engines.protocol import GenerateRequest, SamplingParams  # noqa: E402
@@ -48,7 +49,7 @@ from rollout.models import load_causal_lm  # noqa: E402
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
           8182, 2, 198, 1, 4093, 198, 19161, 2, 198, 1, 520, 9531, 198]
 USER_TURN = [2, 198, 1, 4093, 198, 2683, 359, 1345, 30, 5248, 253, 1789, 2, 198, 1, 520, 9531, 198]
-BEGIN, END = "<!-- bench_engine:begin -->", "<!-- bench_engine:end -->"
+BEGIN, END = markers("bench_engine")
 READING = ("At a uniform batch both sides run the same kernels over the same weights once per step, and a step is "
            "bound by the linear layers (~80% of it at 8 sequences: streaming 540 MB of fp32 weights through one core), "
            "so the engine's per-step overhead is at best a wash: expect ~1x here, not the 1.5x target. What continuous "
@@ -190,19 +191,6 @@ def markdown(args, tp, mixed, sess) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")
-        text = head + section + ("\n" + tail if tail else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -225,7 +213,7 @@ async def main() -> None:
     sess = await bench_session(engine)
     section = markdown(args, tp, mixed, sess)
     if args.write:
-        write_section(args.write, section)
+        replace_section(args.write, "bench_engine", section)
         print(f"wrote {args.write}")
     else:
         print(section)

@@ -31,6 +31,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchdoc import markers, replace_section  # noqa: E402
+
 import renderers  # noqa: E402
 from renderers.pieces import clear_caches  # noqa: E402
 
@@ -169,7 +171,7 @@ def format_table(rows: list[tuple]) -> str:
 
 
 def write_section(path: Path, table: str, repeats: int) -> None:
-    begin, end = "<!-- bench_render:begin -->", "<!-- bench_render:end -->"
+    begin, end = markers("bench_render")
     body = (
         f"{begin}\n## Render and bridge (Qwen3 tokenizer)\n\n"
         f"Command: `.venv/bin/python scripts/bench_render.py --write docs/benchmarks.md`  \n"
@@ -180,12 +182,7 @@ def write_section(path: Path, table: str, repeats: int) -> None:
         "generation prompt to the full history.\n\n"
         f"{table}\n{end}"
     )
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if begin in text:
-        text = text[: text.index(begin)] + body + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + body + "\n"
-    path.write_text(text)
+    replace_section(path, "bench_render", body)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import ray  # noqa: E402
+from benchdoc import markers, replace_section  # noqa: E402
 
 from actors.engine import start_engine_actors  # noqa: E402
 from actors.renderer import start_renderer_actors  # noqa: E402
@@ -174,7 +175,7 @@ def main() -> None:
 
 
 def write(path: Path, rep: dict, emb: dict | None, args) -> None:
-    begin, end = "<!-- bench_rollout:begin -->", "<!-- bench_rollout:end -->"
+    begin, end = markers("bench_rollout")
     lines = [begin, "## Rollout orchestration", "",
              "Command: `.venv/bin/python scripts/bench_rollout.py --write docs/benchmarks.md`  ",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
@@ -208,12 +209,7 @@ def write(path: Path, rep: dict, emb: dict | None, args) -> None:
                   f"| Parquet | {emb['bytes_per_token']['parquet']:.2f} |"]
     lines.append(end)
     body = "\n".join(lines)
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if begin in text:
-        text = text[: text.index(begin)] + body + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + body + "\n"
-    path.write_text(text)
+    replace_section(path, "bench_rollout", body)
 
 
 if __name__ == "__main__":
