@@ -14,7 +14,7 @@ import ray
 
 from rollout.renderer_service import RendererService
 
-RendererActor = ray.remote(max_concurrency=1, max_restarts=0)(RendererService)
+RendererActor = ray.remote(max_concurrency=1, max_restarts=0, enable_task_events=False)(RendererService)
 
 
 def start_renderer_actors(n: int, model_path: str, *, num_cpus: float = 0.25, **kwargs: Any) -> list[Any]:

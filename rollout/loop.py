@@ -16,6 +16,7 @@ member appears exactly once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import statistics
 import time
@@ -151,6 +152,11 @@ class RolloutDriver:
         index = self.router.acquire(session)
         try:
             return await call(self.engines[index], "generate", request)
+        except asyncio.CancelledError:
+            # a timed-out rollout: stop the engine's work too (cancelling the wait does not reach an actor)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(call(self.engines[index], "abort", request.request_id))
+            raise
         except Exception as exc:
             if _is_actor_death(exc):
                 self.router.drop_engine(index)

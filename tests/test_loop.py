@@ -70,3 +70,36 @@ def test_multi_turn_rollouts_write_exact_samples(tmp_path):
         assert [m["role"] for m in messages][-3:] == ["assistant", "tool", "assistant"]
         assert max(row["message_index"]) == len(messages) - 1
     assert driver.finish_counts == {"env_done": 2, "error": 2}
+
+
+def _synthetic_driver(tmp_path, **engine_kwargs):
+    tok = ours("qwen2.5-7b-instruct")
+    r = renderers.create_renderer(tok)
+    engine = ReplayEngine(synthetic=True, vocab_size=tok.vocab_size, **engine_kwargs)
+    svc = RendererService(str(tokenizer_dir("qwen2.5-7b-instruct")), out_dir=str(tmp_path))
+    return r, engine, svc
+
+
+def test_context_limit_stops_cleanly_before_the_request(tmp_path):
+    r, engine, svc = _synthetic_driver(tmp_path, max_model_len=120)
+    env = CalculatorEnv()
+    task = env.generate_tasks(1, seed=0)[0]
+    assert len(r.render_ids(task.messages, env.tools, add_generation_prompt=True)) + 64 > 120
+    cfg = RunConfig(group_size=1, max_turns=3, max_tokens_per_turn=64, max_tokens_per_rollout=128)
+    (out,) = asyncio.run(RolloutDriver(cfg, env, [engine], [svc], engine.info(), r).run([task]))
+    assert out.finish_reason == "context_limit" and out.turns == 0 and out.error is None
+
+
+def test_a_rollout_that_times_out_is_recorded_and_its_engine_request_aborted(tmp_path):
+    r, engine, svc = _synthetic_driver(tmp_path, max_model_len=4096, token_delay_s=0.05)
+    env = CalculatorEnv()
+    tasks = env.generate_tasks(2, seed=0)
+    cfg = RunConfig(group_size=1, max_turns=2, max_tokens_per_turn=64, max_tokens_per_rollout=128, rollout_timeout_s=0.5)
+    outcomes = asyncio.run(RolloutDriver(cfg, env, [engine], [svc], engine.info(), r).run(tasks))
+    assert [o.finish_reason for o in outcomes] == ["timeout", "timeout"]
+    assert all("timed out after 0.5s" in o.error for o in outcomes)
+    assert not engine._running, "the engine still runs the timed-out requests"
+    svc.close()
+    rows = read_table(next(tmp_path.glob("shard-*.arrow"))).to_pylist()
+    assert sorted(row["rollout_id"] for row in rows) == sorted(o.rollout_id for o in outcomes)
+    assert all(row["finish_reason"] == "timeout" and row["error"] for row in rows)
