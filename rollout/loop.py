@@ -88,6 +88,7 @@ class RolloutDriver:
         self.limit = asyncio.Semaphore(cfg.max_concurrent_rollouts)
         self.finish_counts: Counter[str] = Counter()
         self.reruns = 0
+        self.breaks = 0  # turns that could not be bridged (the renderer logs their reasons)
 
     # ---- groups ----------------------------------------------------------------------------------
 
@@ -222,6 +223,7 @@ class RolloutDriver:
             messages.extend(step.new_messages)
             if turn + 1 < cfg.max_turns:
                 kind, ids = await call(renderer, "extend", rollout_id, last_turn, step.new_messages)
+                self.breaks += kind == "reset"
                 prompt = [*prompt, *result.completion_ids, *ids] if kind == "append" else ids
                 last_turn = None
         score = self.env.score(state, messages)

@@ -60,10 +60,12 @@ def done_rollouts(out_dir: Path) -> set[str]:
 class Progress:
     """A one-line progress display: rollouts done / total, tokens/s, break rate, mean reward."""
 
-    def __init__(self, total: int, enabled: bool = True) -> None:
+    def __init__(self, total: int, enabled: bool = True, stream=None) -> None:
         self.total, self.done, self.tokens, self.reward_sum, self.turns, self.errors = total, 0, 0, 0.0, 0, 0
         self.start = time.perf_counter()
-        self.enabled = enabled and sys.stderr.isatty()
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.driver: RolloutDriver | None = None  # set once the driver exists: it counts the breaks
 
     def __call__(self, o: RolloutOutcome) -> None:
         self.done += 1
@@ -72,10 +74,15 @@ class Progress:
         self.reward_sum += o.reward
         self.errors += o.error is not None
         if self.enabled:
-            rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-            sys.stderr.write(f"\r rollouts {self.done}/{self.total}  {rate:,.0f} tok/s  "
-                             f"mean reward {self.reward_sum / self.done:.3f}  errors {self.errors}   ")
-            sys.stderr.flush()
+            self.stream.write("\r" + self.line())
+            self.stream.flush()
+
+    def line(self) -> str:
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        breaks = self.driver.breaks if self.driver is not None else 0
+        break_rate = breaks / self.turns if self.turns else 0.0
+        return (f" rollouts {self.done}/{self.total}  {rate:,.0f} tok/s  break rate {break_rate:.3f}  "
+                f"mean reward {self.reward_sum / max(self.done, 1):.3f}  errors {self.errors}   ")
 
 
 def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
@@ -119,8 +126,9 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
     parser = create_renderer(load_tokenizer(model_path), name=cfg.renderer.name,
                              thinking_retention=cfg.renderer.thinking_retention, **cfg.renderer.template_kwargs)
     startup_s = time.perf_counter() - t0
-    bar = Progress(len(tasks) * cfg.group_size, enabled=progress)
+    bar = Progress(len(tasks) * cfg.group_size, enabled=progress and sys.stderr.isatty())
     driver = RolloutDriver(cfg, env, engines, renderer_actors, infos[0], parser, on_progress=bar)
+    bar.driver = driver
     t1 = time.perf_counter()
     outcomes = asyncio.run(driver.run(tasks))
     wall_s = time.perf_counter() - t1

@@ -103,3 +103,22 @@ def test_a_rollout_that_times_out_is_recorded_and_its_engine_request_aborted(tmp
     rows = read_table(next(tmp_path.glob("shard-*.arrow"))).to_pylist()
     assert sorted(row["rollout_id"] for row in rows) == sorted(o.rollout_id for o in outcomes)
     assert all(row["finish_reason"] == "timeout" and row["error"] for row in rows)
+
+
+def test_progress_line_counts_rollouts_tokens_breaks_and_reward():
+    import io
+
+    from rollout.loop import RolloutOutcome
+    from rollout.run import Progress
+
+    out = io.StringIO()
+    bar = Progress(4, stream=out)
+
+    class Driver:
+        breaks = 1
+
+    bar.driver = Driver()
+    bar(RolloutOutcome("r0", "t", "t", "env_done", reward=1.0, turns=2, completion_tokens=10))
+    bar(RolloutOutcome("r1", "t", "t", "error", reward=0.0, turns=2, completion_tokens=6, error="x"))
+    line = out.getvalue().split("\r")[-1]
+    assert "rollouts 2/4" in line and "break rate 0.250" in line and "mean reward 0.500" in line and "errors 1" in line
