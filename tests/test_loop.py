@@ -113,11 +113,10 @@ def test_progress_line_counts_rollouts_tokens_breaks_and_reward():
 
     out = io.StringIO()
     bar = Progress(4, stream=out)
-
-    class Driver:
-        breaks = 1
-
-    bar.driver = Driver()
+    tok = ours("qwen2.5-7b-instruct")
+    engine = ReplayEngine(synthetic=True, vocab_size=tok.vocab_size)
+    bar.driver = RolloutDriver(RunConfig(), CalculatorEnv(), [engine], [], engine.info(), renderers.create_renderer(tok))
+    bar.driver.breaks = 1  # one of the four turns below was re-rendered
     bar(RolloutOutcome("r0", "t", "t", "env_done", reward=1.0, turns=2, completion_tokens=10))
     bar(RolloutOutcome("r1", "t", "t", "error", reward=0.0, turns=2, completion_tokens=6, error="x"))
     line = out.getvalue().split("\r")[-1]
