@@ -180,27 +180,18 @@ def block_causal_mask(cu_seqlens: torch.Tensor | np.ndarray, length: int) -> tor
 
 def sampling_log_softmax(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
                          top_k: int = 0) -> torch.Tensor:
-    """Log-probs ``[n, vocab]`` of the distribution the embedded engine samples from
-    (``rollout.engines.embedded_kv.sample``): logits / temperature, keep the top-k (``k <= 0`` or
-    ``>= vocab``: all), then the smallest set of most likely tokens whose mass reaches top_p (the most
-    likely always stays); filtered tokens get -inf. Temperature 1, top-p 1, top-k 0 is the plain
-    log_softmax. Temperature 0 (greedy) reports the raw log_softmax, as the engine does."""
+    """Log-probs ``[n, vocab]`` of the distribution the embedded engine samples from, computed by the
+    engine's own function (``rollout.engines.embedded_kv.processed_log_softmax``). Temperature 1,
+    top-p 1, top-k 0 is the plain log_softmax; temperature 0 (greedy) reports the raw log_softmax, as
+    the engine does."""
     import torch
+
+    from .engines.embedded_kv import processed_log_softmax
 
     if temperature == 0:
         return torch.log_softmax(logits, dim=-1)
-    x = logits / temperature
-    vocab = x.shape[-1]
-    k = top_k if 0 < top_k < vocab else vocab
-    if k < vocab or top_p < 1.0:
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        sorted_x = sorted_x.masked_fill(torch.arange(vocab, device=x.device)[None, :] >= k, float("-inf"))
-        probs = torch.softmax(sorted_x, dim=-1)
-        drop = (probs.cumsum(dim=-1) - probs) >= top_p  # mass of the strictly more likely tokens
-        drop[:, 0] = False
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
-    return torch.log_softmax(x, dim=-1)
+    n = logits.shape[0]
+    return processed_log_softmax(logits, [temperature] * n, [top_k] * n, [top_p] * n)
 
 
 def packed_logprobs(model: Any, row: PackedRow, *, temperature: float = 1.0, top_p: float = 1.0,

@@ -235,6 +235,32 @@ class SamplerRow:
     generator: torch.Generator | None  # None only for greedy rows
 
 
+def processed_log_softmax(
+    logits: torch.Tensor, temperatures: list[float], top_k: list[int], top_p: list[float]
+) -> torch.Tensor:
+    """The log-probs ``[m, vocab]`` of the distribution each row is sampled from (temperature > 0):
+    logits / temperature, keep the top-k (``k <= 0`` or ``>= vocab``: all), then the smallest set of
+    most likely tokens whose mass reaches top_p (the most likely always stays); filtered tokens get -inf.
+    The trainer side recomputes logprobs with this same function (rollout.packing)."""
+    vocab = logits.shape[-1]
+    temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)
+    x = logits / temps[:, None]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    if any(k < vocab for k in ks) or any(p < 1.0 for p in top_p):
+        # one sort serves both filters; positions are ranks in descending order
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=x.device)[None, :]
+        drop = ranks >= torch.tensor(ks, device=x.device)[:, None]
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        probs = torch.softmax(sorted_x, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+        drop = before >= torch.tensor(top_p, dtype=probs.dtype, device=x.device)[:, None]
+        drop[:, 0] = False
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
+    return torch.log_softmax(x, dim=-1)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[float]]:
     """One token per row of ``logits`` ``[m, vocab]`` (fp32) and its logprob.
 
@@ -258,23 +284,9 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], lis
     rest = [i for i, r in enumerate(rows) if r.temperature != 0]
     if not rest:
         return tokens, lps
-    temps = torch.tensor([rows[i].temperature for i in rest], dtype=logits.dtype, device=logits.device)
-    x = logits[rest] / temps[:, None]
-    top_k = [rows[i].top_k if 0 < rows[i].top_k < vocab else vocab for i in rest]
-    top_p = [rows[i].top_p for i in rest]
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        # one sort serves both filters; positions are ranks in descending order
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=x.device)[None, :]
-        drop = ranks >= torch.tensor(top_k, device=x.device)[:, None]
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(sorted_x, dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
-        drop = before >= torch.tensor(top_p, dtype=probs.dtype, device=x.device)[:, None]
-        drop[:, 0] = False
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
-    logp = torch.log_softmax(x, dim=-1)
+    logp = processed_log_softmax(
+        logits[rest], [rows[i].temperature for i in rest], [rows[i].top_k for i in rest], [rows[i].top_p for i in rest]
+    )
     probs = logp.exp()
     for j, i in enumerate(rest):
         tok = int(torch.multinomial(probs[j], 1, generator=rows[i].generator))
