@@ -27,7 +27,14 @@ from typing import Any
 
 import ray
 
-from rollout.engines.protocol import EngineBackend, EngineInfo, GenerateOutput, GenerateRequest, decode_request
+from rollout.engines.protocol import (
+    EngineBackend,
+    EngineInfo,
+    GenerateOutput,
+    GenerateRequest,
+    close_backend,
+    decode_request,
+)
 
 BACKENDS: dict[str, str] = {
     "replay": "rollout.engines.replay:ReplayEngine",
@@ -170,13 +177,7 @@ class EngineActorImpl:
     async def close(self) -> None:
         """Release the backend (vLLM's engine core, the embedded engine's worker thread)."""
         backend, self._backend = self._backend, None
-        for name in ("aclose", "close", "shutdown"):
-            fn = getattr(backend, name, None)
-            if callable(fn):
-                res = fn()
-                if inspect.isawaitable(res):
-                    await res
-                return
+        await close_backend(backend)
 
 
 EngineActor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY})(EngineActorImpl)

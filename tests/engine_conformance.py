@@ -50,6 +50,7 @@ from rollout.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     SamplingParams,
+    close_backend,
     decode_request,
 )
 
@@ -387,14 +388,7 @@ CONFORMANCE_CHECKS: dict[str, ConformanceCheck] = {
 # ------------------------------------------------------------------------------------------------ pytest glue
 
 
-async def _close(backend: Any) -> None:
-    for name in ("aclose", "close", "shutdown"):
-        fn = getattr(backend, name, None)
-        if callable(fn):
-            res = fn()
-            if inspect.isawaitable(res):
-                await res
-            return
+_close = close_backend
 
 
 def conformance_tests(

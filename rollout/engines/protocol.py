@@ -11,6 +11,7 @@ conformance suite in tests/engine_conformance.py.
 
 from __future__ import annotations
 
+import inspect
 from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
@@ -88,6 +89,18 @@ class EngineBackend(Protocol):
         ...
 
     def info(self) -> EngineInfo: ...
+
+
+async def close_backend(backend: object) -> None:
+    """Release a backend's resources: its ``aclose``, ``close`` or ``shutdown`` (the first it has),
+    awaited when it is a coroutine. Backends are not required to have any of them."""
+    for name in ("aclose", "close", "shutdown"):
+        fn = getattr(backend, name, None)
+        if callable(fn):
+            res = fn()
+            if inspect.isawaitable(res):
+                await res
+            return
 
 
 def validate_request(request: GenerateRequest, info: EngineInfo) -> None:
