@@ -388,9 +388,6 @@ CONFORMANCE_CHECKS: dict[str, ConformanceCheck] = {
 # ------------------------------------------------------------------------------------------------ pytest glue
 
 
-_close = close_backend
-
-
 def conformance_tests(
     make_backend: Callable[[], Any],
     *,
@@ -432,7 +429,7 @@ def conformance_tests(
             try:
                 backend = runner.run(build())
                 yield runner, backend
-                runner.run(_close(backend))
+                runner.run(close_backend(backend))
             finally:
                 runner.close()
 
