@@ -9,61 +9,50 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .shards import read_table
+import pyarrow.compute as pc
 
-SHARD_SUFFIXES = (".arrow", ".parquet")
+from .data import open_shards, shard_files
 
 
-def shard_files(path: str | Path) -> list[Path]:
-    p = Path(path)
-    if p.is_file():
-        return [p]
-    if p.is_dir():
-        files = sorted(f for f in p.glob("shard-*") if f.suffix in SHARD_SUFFIXES)
-        if files:
-            return files
-        raise ValueError(f"{p}: no shard files (shard-*.arrow / shard-*.parquet)")
-    raise ValueError(f"{p}: no such file or directory")
+def _open(path: str | Path):
+    """The shards at ``path`` (a file, a directory or a glob) as a lazy dataset; a clear error if none."""
+    try:
+        return open_shards(path), len(shard_files(path))
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def summarize(path: str | Path) -> dict[str, Any]:
-    rows = tokens = trainable = 0
-    rewards: list[float] = []
-    segments_per_rollout: dict[str, int] = {}
+    """Rows, tokens, trainable fraction, reward and break statistics, reading only the columns it needs."""
+    data, n_files = _open(path)
+    t = data.to_table(columns=["token_ids", "loss_mask", "reward", "rollout_id", "segment_count", "finish_reason",
+                               "error", "segment_index"])
+    tokens = pc.sum(pc.list_value_length(t["token_ids"])).as_py() or 0
+    trainable = pc.sum(pc.list_flatten(t["loss_mask"])).as_py() or 0
+    firsts = t.filter(pc.equal(t["segment_index"], 0)).select(
+        ["reward", "rollout_id", "segment_count", "finish_reason", "error"]).to_pylist()
+    rewards = [c["reward"] for c in firsts]
+    segments = [c["segment_count"] for c in firsts]
     finish: dict[str, int] = {}
-    errors = 0
-    for f in shard_files(path):
-        t = read_table(f)
-        rows += t.num_rows
-        cols = t.select(["loss_mask", "reward", "rollout_id", "segment_count", "finish_reason", "error", "segment_index"]).to_pylist()
-        for c, lens in zip(cols, t.column("token_ids").to_pylist()):
-            tokens += len(lens)
-            trainable += sum(c["loss_mask"])
-            if c["segment_index"] == 0:
-                rewards.append(c["reward"])
-                segments_per_rollout[c["rollout_id"]] = c["segment_count"]
-                finish[c["finish_reason"]] = finish.get(c["finish_reason"], 0) + 1
-                errors += c["error"] is not None
-    n = len(segments_per_rollout)
+    for c in firsts:
+        finish[c["finish_reason"]] = finish.get(c["finish_reason"], 0) + 1
     return {
-        "files": len(shard_files(path)), "rows": rows, "rollouts": n, "tokens": tokens,
+        "files": n_files, "rows": t.num_rows, "rollouts": len({c["rollout_id"] for c in firsts}), "tokens": tokens,
         "trainable_fraction": trainable / tokens if tokens else 0.0,
         "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
         "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
-        "rollouts_with_breaks": sum(1 for s in segments_per_rollout.values() if s > 1),
-        "extra_segments_from_breaks": sum(s - 1 for s in segments_per_rollout.values()),
-        "finish_reasons": finish, "errors": errors,
+        "rollouts_with_breaks": sum(1 for s in segments if s > 1),
+        "extra_segments_from_breaks": sum(s - 1 for s in segments),
+        "finish_reasons": finish, "errors": sum(c["error"] is not None for c in firsts),
     }
 
 
 def _sample(path: str | Path, index: int) -> dict[str, Any]:
-    seen = 0
-    for f in shard_files(path):
-        t = read_table(f)
-        if index < seen + t.num_rows:
-            return t.slice(index - seen, 1).to_pylist()[0]
-        seen += t.num_rows
-    raise ValueError(f"sample {index} is out of range: the shards hold {seen} rows")
+    data, _ = _open(path)
+    rows = data.count_rows()
+    if not 0 <= index < rows:
+        raise ValueError(f"sample {index} is out of range: the shards hold {rows} rows")
+    return data.take([index]).to_pylist()[0]
 
 
 def _pieces(row: dict, tokenizer) -> list[tuple[str, bool]]:

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import hashlib
 import statistics
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +50,6 @@ class RolloutOutcome(msgspec.Struct):
     messages: list[dict] = msgspec.field(default_factory=list)
     turns: int = 0
     completion_tokens: int = 0
-    engine_busy_s: float = 0.0
     error: str | None = None
     advantage: float = 0.0
     last_turn: tuple | None = None  # the final completion, recorded by the renderer with the samples
@@ -182,7 +180,6 @@ class RolloutDriver:
         budget = cfg.max_tokens_per_rollout
         finish = "max_turns"
         last_turn = None
-        busy = 0.0
         turns = 0
         for turn in range(cfg.max_turns):
             max_tokens = min(cfg.max_tokens_per_turn, budget)
@@ -198,9 +195,7 @@ class RolloutDriver:
             )
             request = GenerateRequest(request_id=f"{rollout_id}/{turn}", prompt_ids=prompt, sampling=sampling,
                                       session_id=rollout_id)
-            t0 = time.perf_counter()
             out = await self._generate(request, rollout_id)
-            busy += time.perf_counter() - t0
             result = out.results[0]
             turns = turn + 1
             if result.finish_reason in ("error", "abort"):
@@ -230,5 +225,5 @@ class RolloutDriver:
         return RolloutOutcome(
             rollout_id=rollout_id, task_id=task.task_id, group_id=group_id, finish_reason=finish,
             reward=float(score.reward), components=dict(score.components), messages=messages, turns=turns,
-            completion_tokens=cfg.max_tokens_per_rollout - budget, engine_busy_s=busy, last_turn=last_turn,
+            completion_tokens=cfg.max_tokens_per_rollout - budget, last_turn=last_turn,
         )

@@ -12,7 +12,7 @@ from typing import Any
 
 from .config import RunConfig
 from .loop import RolloutDriver, RolloutOutcome
-from .shards import read_table, write_manifest
+from .shards import write_manifest
 
 
 def _init_ray(cfg: RunConfig) -> None:
@@ -49,12 +49,12 @@ def _model_path(name: str) -> Path:
 
 
 def done_rollouts(out_dir: Path) -> set[str]:
-    """Rollout ids already written to finished shard files (for --resume)."""
-    done: set[str] = set()
-    for path in sorted(out_dir.glob("shard-*.*")):
-        if path.suffix in (".arrow", ".parquet"):
-            done.update(read_table(path).column("rollout_id").to_pylist())
-    return done
+    """Rollout ids already written to finished shard files (for --resume); reads one column."""
+    from .data import open_shards
+
+    if not any(out_dir.glob("shard-*")):
+        return set()
+    return set(open_shards(out_dir).to_table(columns=["rollout_id"])["rollout_id"].to_pylist())
 
 
 class Progress:
