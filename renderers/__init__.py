@@ -1,13 +1,13 @@
 """renderers: conversation <-> token ids, exactly as each model's chat template, with attribution.
 
-    tok = load_tokenizer("path/to/tokenizer-dir-or.gguf")
-    r = create_renderer(tok)                 # chosen by the template's sha256
-    prompt = r.render(messages, add_generation_prompt=True)
-    parsed = r.parse_response(completion_ids, prompt.token_ids)
-    nxt = r.bridge(prompt.token_ids, completion_ids, new_messages)   # Bridged | Break
+tok = load_tokenizer("path/to/tokenizer-dir-or.gguf")
+r = create_renderer(tok)                 # chosen by the template's sha256
+prompt = r.render(messages, add_generation_prompt=True)
+parsed = r.parse_response(completion_ids, prompt.token_ids)
+nxt = r.bridge(prompt.token_ids, completion_ids, new_messages)   # Bridged | Break
 """
 
-from .base import Renderer, TemplateRejected, parse_json_call
+from .base import EFFORT_LEVELS, Renderer, TemplateRejected, nearest_effort, parse_json_call
 from .messages import MessageError, normalize_messages
 from .registry import RENDERERS, UnknownTemplateError, create_renderer, select_renderer
 from .tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
@@ -16,6 +16,7 @@ from .types import (
     Break,
     BreakReason,
     Bridged,
+    Capabilities,
     ParsedResponse,
     RenderedTokens,
     ToolCall,
@@ -24,6 +25,8 @@ from .types import (
 )
 
 __all__ = [
+    "EFFORT_LEVELS",
+    "Capabilities",
     "RENDERERS",
     "Break",
     "BreakReason",
@@ -42,6 +45,7 @@ __all__ = [
     "build_training_sample",
     "create_renderer",
     "load_tokenizer",
+    "nearest_effort",
     "normalize_messages",
     "parse_json_call",
     "select_renderer",

@@ -8,14 +8,32 @@ turns that into ``render``, ``parse_response`` and the append-only ``bridge``.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 from .messages import MessageError, normalize_messages, normalize_tools
 from .pieces import Pieces
 from .tokenizer import Tokenizer
-from .types import Break, BreakReason, Bridged, ParsedResponse, RenderedTokens, ToolCall, ToolCallStatus
+from .types import Break, BreakReason, Bridged, Capabilities, ParsedResponse, RenderedTokens, ToolCall, ToolCallStatus
 
 THINKING_RETENTION = ("keep", "template")
+# Every reasoning_effort value any template uses, in order. A template that distinguishes only some of
+# them gets the nearest one (see nearest_effort).
+EFFORT_LEVELS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def nearest_effort(requested: str, available: Sequence[str]) -> str:
+    """The level of ``available`` nearest to ``requested`` on :data:`EFFORT_LEVELS`; ties go up.
+
+    Raises ``ValueError`` naming the accepted values for a level outside :data:`EFFORT_LEVELS`, or
+    when the template distinguishes no level at all."""
+    if requested not in EFFORT_LEVELS:
+        raise ValueError(f"reasoning_effort must be one of {', '.join(EFFORT_LEVELS)}; got {requested!r}")
+    if not available:
+        raise ValueError("this template has no reasoning_effort levels")
+    want = EFFORT_LEVELS.index(requested)
+    return min(available, key=lambda lvl: (abs(EFFORT_LEVELS.index(lvl) - want), -EFFORT_LEVELS.index(lvl)))
 
 
 class TemplateRejected(ValueError):
@@ -33,6 +51,8 @@ class Renderer:
     name: ClassVar[str]
     template_hashes: ClassVar[tuple[str, ...]] = ()  # sha256 of the templates the parity tests verified
     template_kwargs_allowed: ClassVar[dict[str, type]] = {}
+    reasoning_efforts: ClassVar[tuple[str, ...]] = ()  # levels the template distinguishes (EFFORT_LEVELS order)
+    supports_tools: ClassVar[bool] = True
     turn_close: ClassVar[str]  # the special token that closes an assistant turn
     after_close: ClassVar[str] = ""  # template text between that token and the next message
     think_tokens: ClassVar[tuple[str, str] | None] = None
@@ -42,42 +62,88 @@ class Renderer:
     def __init__(self, tokenizer: Tokenizer, *, thinking_retention: str = "keep", **template_kwargs: Any) -> None:
         if thinking_retention not in THINKING_RETENTION:
             raise ValueError(f"thinking_retention must be one of {THINKING_RETENTION}, got {thinking_retention!r}")
-        for key, value in template_kwargs.items():
+        self.tokenizer = tokenizer
+        self.thinking_retention = thinking_retention
+        self.template_kwargs = self.check_template_kwargs(template_kwargs)
+        self.turn_close_id = tokenizer.token_id(self.turn_close)
+        stops = [self.turn_close_id] + [
+            tokenizer.added_tokens[t] for t in self.extra_stop_tokens if t in tokenizer.added_tokens
+        ]
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+        self.think_ids = tuple(tokenizer.token_id(t) for t in self.think_tokens) if self.think_tokens else None
+        self.tool_call_ids = (
+            tuple(tokenizer.token_id(t) for t in self.tool_call_tokens) if self.tool_call_tokens else None
+        )
+
+    @property
+    def template_sha256(self) -> str | None:
+        return self.tokenizer.template_sha256
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            thinking_switch="enable_thinking" in self.template_kwargs_allowed,
+            reasoning_efforts=self.reasoning_efforts,
+            tools=self.supports_tools,
+            bridge=True,
+        )
+
+    def check_template_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Validated template kwargs: a name the template does not take or a value of the wrong type is
+        a ``ValueError``; ``reasoning_effort`` moves to the nearest level the template distinguishes."""
+        out = {}
+        for key, value in kwargs.items():
             expected = self.template_kwargs_allowed.get(key)
             if expected is None:
                 allowed = ", ".join(self.template_kwargs_allowed) or "none"
                 raise ValueError(f"renderer {self.name!r} has no template kwarg {key!r} (accepted: {allowed})")
             if not isinstance(value, expected):
                 raise ValueError(f"template kwarg {key!r} must be {expected.__name__}, got {type(value).__name__}")
-        self.tokenizer = tokenizer
-        self.thinking_retention = thinking_retention
-        self.template_kwargs = template_kwargs
-        self.turn_close_id = tokenizer.token_id(self.turn_close)
-        stops = [self.turn_close_id] + [tokenizer.added_tokens[t] for t in self.extra_stop_tokens if t in tokenizer.added_tokens]
-        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
-        self.think_ids = tuple(tokenizer.token_id(t) for t in self.think_tokens) if self.think_tokens else None
-        self.tool_call_ids = tuple(tokenizer.token_id(t) for t in self.tool_call_tokens) if self.tool_call_tokens else None
+            if key == "reasoning_effort":
+                value = nearest_effort(value, self.reasoning_efforts)
+            out[key] = value
+        return out
 
-    @property
-    def template_sha256(self) -> str | None:
-        return self.tokenizer.template_sha256
+    @contextmanager
+    def _kwargs_for_call(self, overrides: dict[str, Any]):
+        """Per-call template kwargs (already checked) on top of the ones given at construction. A
+        renderer serves one caller at a time: the renderer actor runs one call at a time."""
+        if not overrides:
+            yield
+            return
+        saved = self.template_kwargs
+        self.template_kwargs = {**saved, **overrides}
+        try:
+            yield
+        finally:
+            self.template_kwargs = saved
 
     # ---- rendering -------------------------------------------------------------------------------
 
-    def render(self, messages: Any, tools: Any = None, add_generation_prompt: bool = False) -> RenderedTokens:
+    def render(
+        self, messages: Any, tools: Any = None, add_generation_prompt: bool = False, **template_kwargs: Any
+    ) -> RenderedTokens:
         """Token ids identical to the template rendered by transformers and encoded with
-        ``add_special_tokens=False``, with per-token attribution. Raises ``ValueError`` (a
-        ``MessageError`` or ``TemplateRejected``) naming the problem."""
+        ``add_special_tokens=False``, with per-token attribution. ``template_kwargs`` (such as
+        ``enable_thinking``, ``reasoning_effort``) override the renderer's for this call. Raises
+        ``ValueError`` (a ``MessageError`` or ``TemplateRejected``) naming the problem."""
         msgs = normalize_messages(messages)
         if not msgs:
             raise MessageError("messages is empty")
         tool_defs = normalize_tools(tools)
+        with self._kwargs_for_call(self.check_template_kwargs(template_kwargs)):
+            return self._render_tokens(msgs, tool_defs, add_generation_prompt)
+
+    def _render_tokens(self, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> RenderedTokens:
+        """Normalized messages to tokens; hand-coded families go through pieces."""
         p = Pieces(self.tokenizer)
-        self._render(p, msgs, tool_defs, add_generation_prompt)
+        self._render(p, msgs, tools, add_generation_prompt)
         return p.encode()
 
-    def render_ids(self, messages: Any, tools: Any = None, add_generation_prompt: bool = False) -> list[int]:
-        return self.render(messages, tools, add_generation_prompt).token_ids
+    def render_ids(
+        self, messages: Any, tools: Any = None, add_generation_prompt: bool = False, **template_kwargs: Any
+    ) -> list[int]:
+        return self.render(messages, tools, add_generation_prompt, **template_kwargs).token_ids
 
     def _render(self, p: Pieces, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> None:
         raise NotImplementedError
@@ -89,11 +155,26 @@ class Renderer:
     # ---- bridging --------------------------------------------------------------------------------
 
     def bridge(
-        self, prev_prompt_ids: list[int], prev_completion_ids: list[int], new_messages: Any, tools: Any = None
+        self,
+        prev_prompt_ids: list[int],
+        prev_completion_ids: list[int],
+        new_messages: Any,
+        tools: Any = None,
+        **template_kwargs: Any,
     ) -> Bridged | Break:
         """The next prompt, append-only: prev prompt + prev completion + the new messages + the
         generation prompt. A completion that ended without closing its turn (truncated) gets the
         close synthesized as context. Returns a ``Break`` with its reason where that is impossible."""
+        try:
+            overrides = self.check_template_kwargs(template_kwargs)
+        except ValueError as exc:
+            return Break(BreakReason.INVALID_MESSAGES, str(exc), len(prev_prompt_ids) + len(prev_completion_ids))
+        with self._kwargs_for_call(overrides):
+            return self._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools)
+
+    def _bridge(
+        self, prev_prompt_ids: list[int], prev_completion_ids: list[int], new_messages: Any, tools: Any
+    ) -> Bridged | Break:
         # Work on the completion only: nothing here may cost time proportional to the history.
         prefix_len = len(prev_prompt_ids) + len(prev_completion_ids)
         try:
@@ -124,7 +205,9 @@ class Renderer:
         closing = [] if completion and completion[-1] == self.turn_close_id else [self.turn_close_id]
         last = (closing or completion or prev_prompt_ids or [None])[-1]
         if last not in self.tokenizer.special_ids:
-            return Break(BreakReason.NO_SPECIAL_TOKEN_ANCHOR, "the previous tokens do not end on a special token", prefix_len)
+            return Break(
+                BreakReason.NO_SPECIAL_TOKEN_ANCHOR, "the previous tokens do not end on a special token", prefix_len
+            )
         p = Pieces(self.tokenizer)
         if self.after_close:
             p.scaffold(self.after_close)
@@ -245,7 +328,9 @@ def parse_json_call(raw: str, span: tuple[int, int], tool_names: set[str] | None
     except ValueError as exc:
         return ToolCall(None, None, ToolCallStatus.INVALID_JSON, span, raw, f"not JSON: {exc}")
     if not isinstance(obj, dict):
-        return ToolCall(None, None, ToolCallStatus.NOT_AN_OBJECT, span, raw, f"expected an object, got {type(obj).__name__}")
+        return ToolCall(
+            None, None, ToolCallStatus.NOT_AN_OBJECT, span, raw, f"expected an object, got {type(obj).__name__}"
+        )
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "no string 'name' field")
@@ -258,7 +343,14 @@ def parse_json_call(raw: str, span: tuple[int, int], tool_names: set[str] | None
         if isinstance(decoded, dict):
             args = decoded
     if not isinstance(args, dict):
-        return ToolCall(name, None, ToolCallStatus.INVALID_ARGUMENTS, span, raw, f"arguments must be an object, got {type(args).__name__}")
+        return ToolCall(
+            name,
+            None,
+            ToolCallStatus.INVALID_ARGUMENTS,
+            span,
+            raw,
+            f"arguments must be an object, got {type(args).__name__}",
+        )
     if tool_names is not None and name not in tool_names:
         return ToolCall(name, args, ToolCallStatus.UNKNOWN_TOOL, span, raw, f"no tool named {name!r} was offered")
     return ToolCall(name, args, ToolCallStatus.OK, span, raw)

@@ -28,6 +28,7 @@ class ChatMLRenderer(Renderer):
     template_hashes = ("2eefca287a0f008b170ce31bc2c4dabb398a64eb74716bf64db5d9a21da50da9",)
     turn_close = "<|im_end|>"
     after_close = "\n"
+    supports_tools = False  # the template renders role and content only
     default_system: str | None = None
 
     def _message(self, p: Pieces, m: dict, i: int) -> None:

@@ -11,6 +11,7 @@ once (several seconds) and cached under ``$TITO_CACHE`` (default ``~/.cache/tito
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -68,6 +69,15 @@ class Tokenizer:
         self._words = AsciiWordEncoder.for_config(plain, self._plain)
         pattern = "|".join(re.escape(t) for t in sorted(self.added_tokens, key=len, reverse=True))
         self._added_re = re.compile(pattern) if pattern else None
+
+    def with_chat_template(self, chat_template: str, name_or_path: str | None = None) -> Tokenizer:
+        """The same tokenizer (shared, not rebuilt) with another chat template: for a template file
+        shipped apart from its tokenizer, or a local variant of a model's template."""
+        other = copy.copy(self)
+        other.__dict__.pop("template_sha256", None)
+        other.chat_template = chat_template
+        other.name_or_path = name_or_path or self.name_or_path
+        return other
 
     @cached_property
     def template_sha256(self) -> str | None:

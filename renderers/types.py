@@ -121,6 +121,21 @@ class Bridged(msgspec.Struct):
     synthesized: int = 0
 
 
+class Capabilities(msgspec.Struct, frozen=True):
+    """What a renderer can do with its template.
+
+    ``thinking_switch``: ``enable_thinking`` changes the render. ``reasoning_efforts``: the levels of
+    ``reasoning_effort`` the template distinguishes, in :data:`renderers.base.EFFORT_LEVELS` order
+    (empty when it has none). ``tools``: tool definitions and tool calls are rendered. ``bridge``:
+    ``bridge`` can extend a turn append-only (else it always returns a ``Break``).
+    """
+
+    thinking_switch: bool
+    reasoning_efforts: tuple[str, ...]
+    tools: bool
+    bridge: bool
+
+
 class TrainingSample(msgspec.Struct):
     token_ids: list[int]
     loss_mask: list[bool]

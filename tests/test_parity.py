@@ -211,10 +211,11 @@ def compare(ctx: Ctx, conv: Conversation, agp: bool) -> tuple[str, str | None]:
 # ---- the parity tests --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_parity(case: Case, tokenizers: TokenizerStore) -> None:
+def check_parity(case: Case, tokenizers: TokenizerStore, convs: list[Conversation], min_exact: int = MIN_EXACT) -> dict:
+    """Compare every conversation with and without a generation prompt; fail with the first few
+    differences. Family test modules call this with the shared generator's conversations plus their own.
+    Returns the counts per ``add_generation_prompt``."""
     ctx = make_ctx(case, tokenizers)
-    convs = generate(case.seed, N_CONVERSATIONS)
     counts: dict[bool, Counter] = {False: Counter(), True: Counter()}
     failures: list[str] = []
     for conv in convs:
@@ -230,10 +231,16 @@ def test_parity(case: Case, tokenizers: TokenizerStore) -> None:
         shown = "\n\n".join(failures[:MAX_REPORTED_FAILURES])
         pytest.fail(f"{len(failures)} of {2 * len(convs)} renders differ from transformers ({summary}):\n\n{shown}", pytrace=False)
     for agp, c in counts.items():
-        assert c["exact"] >= MIN_EXACT, f"only {c['exact']} exact comparisons with agp={agp}: the generator drifted ({summary})"
+        assert c["exact"] >= min_exact, f"only {c['exact']} exact comparisons with agp={agp}: the generator drifted ({summary})"
     total = counts[False] + counts[True]
     assert total["marker"] >= case.min_marker, f"too few marker-mode comparisons ({summary})"
     assert total["rejected"] >= case.min_rejected, f"too few rejected conversations ({summary})"
+    return counts
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_parity(case: Case, tokenizers: TokenizerStore) -> None:
+    check_parity(case, tokenizers, generate(case.seed, N_CONVERSATIONS))
 
 
 _CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich", "days": 2}}}
