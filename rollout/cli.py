@@ -32,13 +32,25 @@ def _parse_kwargs(pairs: list[str]) -> dict:
     return out
 
 
-def _renderer(args):
-    from renderers import create_renderer, load_tokenizer
+def _tokenizer(args):
+    from renderers import load_tokenizer
 
     from .models import resolve_model
 
     tok = load_tokenizer(resolve_model(args.model))
-    return create_renderer(tok, name=args.renderer, **_parse_kwargs(args.template_kwarg))
+    if args.chat_template:
+        try:
+            text = Path(args.chat_template).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"cannot read chat template file {args.chat_template}: {exc.strerror}") from None
+        tok = tok.with_chat_template(text, f"{tok.name_or_path} + {args.chat_template}")
+    return tok
+
+
+def _renderer(args):
+    from renderers import create_renderer
+
+    return create_renderer(_tokenizer(args), name=args.renderer, **_parse_kwargs(args.template_kwarg))
 
 
 def cmd_render(args) -> int:
@@ -63,17 +75,20 @@ def cmd_render(args) -> int:
 
 
 def cmd_template(args) -> int:
-    from renderers import load_tokenizer, select_renderer
+    from renderers import select_renderer
 
-    from .models import resolve_model
-
-    tok = load_tokenizer(resolve_model(args.model))
+    tok = _tokenizer(args)
     print(f"model      {tok.name_or_path}")
     print(f"template   sha256 {tok.template_sha256}  ({len(tok.chat_template or '')} chars)")
     cls, why = select_renderer(tok, args.renderer)
     renderer = cls(tok)
     print(f"renderer   {cls.name}: {why}")
     print(f"stop ids   {list(renderer.stop_token_ids)} {[tok.decode([i]) for i in renderer.stop_token_ids]}")
+    caps = renderer.capabilities
+    efforts = ", ".join(caps.reasoning_efforts) or "none"
+    print(f"can        thinking switch: {'yes' if caps.thinking_switch else 'no'}; reasoning_effort levels: {efforts}; "
+          f"tools: {'yes' if caps.tools else 'no'}; bridge: {'yes' if caps.bridge else 'no (every turn re-renders)'}")
+    print(f"kwargs     {', '.join(sorted(renderer.template_kwargs_allowed)) or 'none'}")
     return 0
 
 
@@ -101,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(p):
         p.add_argument("model", help="tokenizer directory, GGUF file or model alias (smollm2-135m)")
         p.add_argument("--renderer", help="force a renderer family instead of choosing by template hash")
+        p.add_argument("--chat-template", metavar="FILE", help="use this chat template file instead of the model's own")
 
     render = sub.add_parser("render", help="render a conversation to token ids with per-token attribution")
     model_args(render)

@@ -55,3 +55,14 @@ def test_bad_input_is_a_clear_error(tmp_path):
     bad.write_text("[]")
     out = tito("render", "/no/such/model", "--messages", str(bad))
     assert out.returncode == 2 and "neither a file" in out.stderr
+
+
+def test_template_file_and_capabilities():
+    out = tito("template", str(tokenizer_dir("qwen2.5-7b-instruct")), "--chat-template", "renderers/templates/chatml.jinja")
+    assert out.returncode == 0, out.stderr
+    assert "verified for chatml" in out.stdout
+    assert "thinking switch: no" in out.stdout and "tools: no" in out.stdout
+    qwen3 = tito("template", str(tokenizer_dir("qwen3-0.6b")))
+    assert "thinking switch: yes" in qwen3.stdout and "kwargs     enable_thinking" in qwen3.stdout
+    missing = tito("template", str(tokenizer_dir("qwen3-0.6b")), "--chat-template", "/no/such.jinja")
+    assert missing.returncode == 2 and "cannot read chat template file" in missing.stderr
