@@ -52,7 +52,7 @@ class DeepSeekR1DistillRenderer(Renderer):
                     )
                 content = m["content"]
                 if is_tool:
-                    p.scaffold(OUTPUTS_END, i, sampled=True)
+                    p.scaffold(OUTPUTS_END, i)  # the prompt after tool results ends with it: not sampled
                     is_tool = False
                 else:
                     if "</think>" in content:
