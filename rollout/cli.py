@@ -140,8 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     pull.set_defaults(func=cmd_pull)
 
     from .cli_run import register
+    from .cli_serve import register as register_serve
 
     register(sub)
+    register_serve(sub)
     return parser
 
 

@@ -95,6 +95,47 @@ class RunConfig(_Strict):
         return self
 
 
+class ServerConfig(_Strict):
+    host: str = Field("127.0.0.1", description="address to listen on (loopback by default)")
+    port: int = Field(8000, ge=0, le=65535, description="0 = any free port")
+    log_level: str = "warning"
+
+
+class SessionsConfig(_Strict):
+    idle_timeout_s: float = Field(900.0, gt=0, description="a session unused this long is finished and dropped")
+    max_sessions: int = Field(100_000, ge=1, description="sessions held at once; a new one beyond is refused (429)")
+
+
+class ServeOutputConfig(_Strict):
+    dir: str | None = Field(None, description="write finished sessions' samples as shards here; none = keep nothing")
+    format: Literal["arrow", "parquet"] = "arrow"
+    rows_per_file: int = Field(1024, ge=1)
+
+
+class ServeConfig(_Strict):
+    """``tito serve``: the engines and renderers of ``tito run`` behind an HTTP API."""
+
+    model: str = Field("smollm2-135m", description="model directory, GGUF file or alias")
+    served_model_name: str | None = Field(None, description="the name clients send as `model` (default: model)")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    renderer: RendererConfig = Field(default_factory=RendererConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    sessions: SessionsConfig = Field(default_factory=SessionsConfig)
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="max_tokens when a request has none; none = the room left in max_model_len")
+    engine_in_process: bool = Field(
+        False, description="run replay/embedded engines inside the server process instead of as Ray actors "
+                           "(one node; saves the Ray round trip per request)")
+    output: ServeOutputConfig = Field(default_factory=ServeOutputConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _in_process(self) -> ServeConfig:
+        if self.engine_in_process and self.engine.backend == "vllm":
+            raise ValueError("engine_in_process supports the replay and embedded backends, not vllm")
+        return self
+
+
 def _set_path(data: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = data
@@ -115,9 +156,10 @@ def _format_error(exc: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | Path | None, overrides: list[str] = (), schema: type[_Strict] = RunConfig) -> Any:
     """Read a YAML config (or none: all defaults) and apply ``key.path=value`` overrides, whose values
-    are parsed as YAML (``--set group_size=8``, ``--set engine.options.threads=2``)."""
+    are parsed as YAML (``--set group_size=8``, ``--set engine.options.threads=2``); validated as
+    ``schema`` (RunConfig, or ServeConfig for ``tito serve``)."""
     data: dict = {}
     if path is not None:
         try:
@@ -135,6 +177,6 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             raise ConfigError(f"--set expects key.path=value, got {item!r}")
         _set_path(data, key.strip(), yaml.safe_load(raw))
     try:
-        return RunConfig.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_error(exc)) from None

@@ -94,25 +94,64 @@ class RendererService:
         next prompt after ``new_messages``: ``("append", ids)`` — the ids to append to the previous
         prompt + completion (the bridge) — or, on a Break, ``("reset", ids)`` — a full render of the
         conversation so far, which starts a new segment. Only new tokens cross the wire."""
+        self.record_turn(rollout_id, turn)
+        kind, ids, _ = self.bridge_next(rollout_id, new_messages, turn[0] + 1)
+        return kind, ids
+
+    def record_turn(self, rollout_id: str, turn: Turn) -> None:
+        """Record a turn's completion now (``extend`` does it together with the bridge; the session API
+        records right after sampling so a session's samples are complete between calls)."""
+        self._record(self.rollouts[rollout_id], *turn)
+
+    def bridge_next(self, rollout_id: str, new_messages: list[dict], next_turn: int) -> tuple[str, list[int], dict | None]:
+        """The next prompt after the recorded completion and ``new_messages``, as ``extend`` returns it,
+        plus the break (reason, detail, position) when the turn could not be bridged."""
         ro = self.rollouts[rollout_id]
-        self._record(ro, *turn)
         ids = ro.builder.current.token_ids
         cut = len(ids) - ro.last_completion_len
         result = self.renderer.bridge(ids[:cut], ids[cut:], new_messages, ro.tools)
         offset = len(ro.messages)
         ro.messages.extend(new_messages)
-        next_turn = turn[0] + 1
         if isinstance(result, Break):
             self._log_break(rollout_id, next_turn, result)
-            ro.breaks.append({"turn": next_turn, "reason": str(result.reason), "detail": result.detail,
-                              "position": result.position})
+            brk = {"turn": next_turn, "reason": str(result.reason), "detail": result.detail,
+                   "position": result.position}
+            ro.breaks.append(brk)
             ro.builder.start_segment(self.renderer.render(ro.messages, ro.tools, add_generation_prompt=True), turn=next_turn)
             ro.weight_versions.append([])
-            return "reset", list(ro.builder.prompt_ids())
+            return "reset", list(ro.builder.prompt_ids()), brk
         ro.builder.add_bridge(result, offset, next_turn)
         with self._lock:
             self.turns_bridged += 1
-        return "append", result.appended.token_ids
+        return "append", result.appended.token_ids, None
+
+    def restart(self, rollout_id: str, messages: list[dict], tools: list[dict] | None, turn: int, reason: str,
+                detail: str) -> list[int]:
+        """Start a new segment from a full render of ``messages`` and log a break with ``reason``: for a
+        conversation that no longer extends the recorded one (a client edited its history, changed its
+        tools, or retried after a failed turn). Nothing is bridged, so no sampled token is rewritten."""
+        ro = self.rollouts[rollout_id]
+        rendered = self.renderer.render(messages, tools, add_generation_prompt=True)  # may raise: nothing changed
+        self._log_break(rollout_id, turn, Break(reason, detail))  # type: ignore[arg-type]  # a session-level reason
+        ro.breaks.append({"turn": turn, "reason": str(reason), "detail": detail, "position": None})
+        ro.messages, ro.tools = list(messages), tools
+        ro.builder.start_segment(rendered, turn=turn)
+        ro.weight_versions.append([])
+        return list(ro.builder.prompt_ids())
+
+    def sample(self, rollout_id: str) -> dict[str, Any]:
+        """A running rollout's training samples so far (one per segment), its breaks and messages;
+        KeyError for an unknown id."""
+        ro = self.rollouts[rollout_id]
+        segments = []
+        for seg, versions in zip(ro.builder.segments, ro.weight_versions):
+            segments.append({"token_ids": seg.token_ids, "loss_mask": seg.loss_mask, "logprobs": seg.logprobs,
+                             "message_index": seg.message_index, "turn_index": seg.turn_index,
+                             "prompt_tokens": seg.prompt_tokens, "completion_tokens": seg.completion_tokens,
+                             "weight_versions": versions})
+        return {"segments": segments, "breaks": list(ro.breaks), "messages": list(ro.messages),
+                "tools": ro.tools, "renderer": self.renderer.name,
+                "template_sha256": self.renderer.template_sha256 or "", "model": self.model_name}
 
     def finish(self, rollout_id: str, meta: dict[str, Any], last_turn: Turn | None = None) -> int:
         """Record the last turn's completion (if it was not bridged) and write the rollout's samples

@@ -1,0 +1,181 @@
+"""The engines behind the server: sticky least-loaded routing, aborts, pause/resume and weight updates.
+
+``Fleet`` holds engine handles (Ray actors, or plain backends in tests: calls go through
+``rollout.handles.call``) and routes each request with :class:`rollout.routing.StickyLeastLoaded`:
+a session (or a ``cache_salt``) stays on the engine that holds its KV until that engine is
+overloaded, then moves to the least loaded one. A request with neither key goes to the least loaded
+engine and its routing entry is forgotten at once, so one-off request ids do not pile up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from ..engines.protocol import EngineInfo, GenerateOutput, GenerateRequest
+from ..handles import call
+from ..routing import StickyLeastLoaded
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine died (or every engine is gone): the request fails with 503, the server keeps serving."""
+
+
+def is_actor_death(exc: BaseException) -> bool:
+    try:
+        import ray.exceptions as rex
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(exc, (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError))
+
+
+class Fleet:
+    """Engines with routing. ``generate`` waits while paused; ``update_weights`` pauses, drains the
+    requests in flight, updates every engine and resumes, so each result comes from one weight version."""
+
+    def __init__(self, engines: list[Any], infos: list[EngineInfo], overload_factor: float = 1.5) -> None:
+        if not engines or len(engines) != len(infos):
+            raise ValueError("need one EngineInfo per engine, and at least one engine")
+        self.engines = engines
+        self.infos = infos
+        self.router = StickyLeastLoaded(len(engines), overload_factor)
+        self.dead: set[int] = set()
+        self.where: dict[str, int] = {}  # running request id -> engine index (for aborts)
+        self.weight_version = max(i.weight_version for i in infos)
+        # the fleet's engines serve one model: requests are checked against the tightest limits
+        self.max_model_len = min(i.max_model_len for i in infos)
+        self.vocab_size = min(i.vocab_size for i in infos)
+        self._admitting = asyncio.Event()
+        self._admitting.set()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._update_lock = asyncio.Lock()
+        self._encode = msgspec.json.Encoder().encode
+        self._abandoned: set[asyncio.Future] = set()  # results of requests whose caller went away
+        self.on_abandoned: Callable[[GenerateOutput], None] | None = None
+
+    @property
+    def paused(self) -> bool:
+        return not self._admitting.is_set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.where)
+
+    async def generate(self, request: GenerateRequest, key: str | None = None) -> tuple[GenerateOutput, float, int]:
+        """Run ``request`` on the engine ``key`` sticks to (None: the least loaded). Returns the output,
+        the seconds the engine call took as seen from here, and the engine index. A cancelled caller
+        (a client that disconnected) aborts the request on its engine. Raises EngineUnavailable when
+        the engine died; an engine's refusal (EngineError) propagates unchanged."""
+        await self._admitting.wait()
+        if len(self.dead) == len(self.engines):
+            raise EngineUnavailable("no engine is alive")
+        route = key if key is not None else request.request_id
+        index = self.router.acquire(route)
+        rid = request.request_id
+        self.where[rid] = index
+        self._drained.clear()
+        t0 = time.perf_counter()
+        engine = self.engines[index]
+        running = asyncio.ensure_future(self._call_generate(engine, request))
+        try:
+            out = await asyncio.shield(running)
+            return out, time.perf_counter() - t0, index
+        except asyncio.CancelledError:
+            # cancelling the wait does not reach an actor: tell the engine to stop this request, and
+            # collect what it returns (finish_reason "abort") so the metrics see how it ended
+            with contextlib.suppress(Exception):
+                await asyncio.shield(call(self.engines[index], "abort", rid))
+            self._abandoned.add(asyncio.ensure_future(self._collect(running)))
+            raise
+        except Exception as exc:
+            if is_actor_death(exc):
+                self.dead.add(index)
+                self.router.drop_engine(index)
+                raise EngineUnavailable(f"engine {index} died: {type(exc).__name__}") from exc
+            raise
+        finally:
+            self.router.release(index)
+            self.where.pop(rid, None)
+            if key is None:
+                self.router.forget(route)
+            if not self.where:
+                self._drained.set()
+
+    async def _call_generate(self, engine: Any, request: GenerateRequest) -> GenerateOutput:
+        if hasattr(engine.generate, "remote"):
+            # an EngineActor gets msgspec JSON bytes (its generate decodes them strictly): cheaper through
+            # Ray than a pickled Struct
+            return await engine.generate.remote(self._encode(request))
+        return await call(engine, "generate", request)
+
+    async def _collect(self, running: asyncio.Future, timeout_s: float = 60.0) -> None:
+        try:
+            out = await asyncio.wait_for(running, timeout_s)
+            if self.on_abandoned is not None:
+                self.on_abandoned(out)
+        except Exception:  # the engine failed or never answered: nothing left to count
+            pass
+        finally:
+            self._abandoned.discard(asyncio.current_task())
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        """Abort running requests (their results come back with finish_reason "abort"); returns the ids
+        that were running. Unknown ids are ignored, as vLLM does."""
+        targets = [(rid, self.where[rid]) for rid in request_ids if rid in self.where]
+        done = await asyncio.gather(*(call(self.engines[i], "abort", rid) for rid, i in targets),
+                                    return_exceptions=True)
+        return [rid for (rid, _), ok in zip(targets, done) if ok is True]
+
+    async def pause(self, mode: str = "wait") -> None:
+        """Stop admitting requests (they wait, they are not refused). ``wait``: return once the running ones
+        finished; ``abort``: abort them (finish_reason "abort"); ``keep``: leave them running."""
+        if mode not in ("wait", "abort", "keep"):
+            raise ValueError(f"pause mode must be 'wait', 'abort' or 'keep', got {mode!r}")
+        self._admitting.clear()
+        if mode == "abort":
+            await self.abort(list(self.where))
+        if mode in ("wait", "abort"):
+            await self._drained.wait()
+
+    def resume(self) -> None:
+        self._admitting.set()
+
+    def forget(self, key: str) -> None:
+        self.router.forget(key)
+
+    async def update_weights(self, weight_dir: str, version: int) -> None:
+        """Pause (waiting for the running requests), load ``weight_dir`` on every live engine, resume
+        (unless it was paused before). Later results carry ``version``."""
+        async with self._update_lock:
+            was_paused = self.paused
+            await self.pause("wait")
+            try:
+                live = [e for i, e in enumerate(self.engines) if i not in self.dead]
+                await asyncio.gather(*(call(e, "update_weights", weight_dir, version) for e in live))
+                self.weight_version = version
+                for info in self.infos:
+                    info.weight_version = version
+            finally:
+                if not was_paused:
+                    self.resume()
+
+    async def health(self, timeout_s: float = 5.0) -> list[dict]:
+        """Each engine's health report (``ok`` False for a dead or unresponsive one)."""
+
+        async def one(i: int, engine: Any) -> dict:
+            if i in self.dead:
+                return {"ok": False, "engine": i, "error": "dead"}
+            try:
+                probe = getattr(engine, "health", None)
+                report = await asyncio.wait_for(call(engine, "health"), timeout_s) if probe else {"ok": True}
+                return {"engine": i, **dict(report)}
+            except Exception as exc:
+                return {"ok": False, "engine": i, "error": f"{type(exc).__name__}: {exc}"}
+
+        return list(await asyncio.gather(*(one(i, e) for i, e in enumerate(self.engines))))

@@ -1,0 +1,141 @@
+"""Starting the server: Ray, the engine actors, the renderer actors, then uvicorn.
+
+``build_state(cfg)`` starts (or joins) Ray and the actors exactly as ``tito run`` does and returns the
+routes' ``ServerState``; ``serve(cfg)`` runs uvicorn in the foreground (``tito serve``);
+``ServerThread`` runs it in a background thread (tests, benchmarks) and reports the bound port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..config import ServeConfig
+from ..engines.protocol import close_backend
+from .app import ServerState, create_app
+from .fleet import Fleet
+from .sessions import SessionManager
+
+
+def build_state(cfg: ServeConfig) -> tuple[ServerState, list[Any]]:
+    """Start the actors a serve config describes; returns the state and the actors (to kill on exit)."""
+    import ray
+
+    from actors.engine import build_backend, start_engine_actors
+    from actors.renderer import start_renderer_actors
+    from renderers import create_renderer, load_tokenizer
+
+    from ..run import _engine_specs, _init_ray, _model_path
+
+    model_path = str(_model_path(cfg.model))
+    out_dir = cfg.output.dir
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    _init_ray(cfg)  # type: ignore[arg-type]  # reads cfg.ray only
+    specs = _engine_specs(cfg, model_path)  # type: ignore[arg-type]  # reads cfg.engine only
+    if cfg.engine_in_process:
+        # plain backends on the server's event loop (they bind to the loop that first uses them)
+        engines = [asyncio.run(build_backend(s["kind"], s["kwargs"])) for s in specs for _ in range(s["replicas"])]
+        infos = [e.info() for e in engines]
+    else:
+        engines = start_engine_actors(specs)
+        infos = ray.get([e.start.remote() for e in engines])
+    renderer_actors = start_renderer_actors(
+        cfg.renderer.actors, model_path, renderer_name=cfg.renderer.name, template_kwargs=cfg.renderer.template_kwargs,
+        thinking_retention=cfg.renderer.thinking_retention, out_dir=out_dir, fmt=cfg.output.format,
+        rows_per_file=cfg.output.rows_per_file, model_name=cfg.served_model_name or cfg.model,
+    )
+    ray.get([r.info.remote() for r in renderer_actors])  # surface a renderer that cannot start, here
+    parser = create_renderer(load_tokenizer(model_path), name=cfg.renderer.name,
+                             thinking_retention=cfg.renderer.thinking_retention, **cfg.renderer.template_kwargs)
+    fleet = Fleet(engines, infos, cfg.engine.overload_factor)
+    sessions = SessionManager(renderer_actors, idle_timeout_s=cfg.sessions.idle_timeout_s,
+                              max_sessions=cfg.sessions.max_sessions, write_samples=bool(out_dir))
+    names = [cfg.served_model_name or cfg.model, cfg.model, model_path]
+    state = ServerState(fleet=fleet, sessions=sessions, parser=parser, model_names=list(dict.fromkeys(names)),
+                        root=model_path, default_max_tokens=cfg.default_max_tokens,
+                        sweep_interval_s=min(5.0, cfg.sessions.idle_timeout_s / 4))
+    return state, ([] if cfg.engine_in_process else engines) + renderer_actors
+
+
+def _uvicorn_config(app: Any, host: str, port: int, log_level: str) -> Any:
+    import uvicorn
+
+    # backlog: a burst of hundreds of clients connecting at once must not be refused by the kernel
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False,
+                          backlog=4096, timeout_keep_alive=30)
+
+
+def _shutdown(state: ServerState, actors: list[Any]) -> None:
+    import ray
+
+    async def finish_sessions() -> None:
+        for sid in list(state.sessions.sessions):
+            try:
+                await state.sessions.close(sid, "server_shutdown")
+            except Exception:  # a renderer that is gone: nothing more to write
+                pass
+
+    if state.sessions.write_samples:
+        asyncio.run(finish_sessions())
+        for r in state.sessions.renderers:
+            try:
+                ray.get(r.close.remote(), timeout=30)
+            except Exception:
+                pass
+    for actor in actors:
+        ray.kill(actor)
+    for engine in state.fleet.engines:
+        if not hasattr(engine.generate, "remote"):  # an in-process backend
+            try:
+                asyncio.run(close_backend(engine))
+            except Exception:
+                pass
+
+
+def serve(cfg: ServeConfig) -> None:
+    """``tito serve``: run until interrupted, then write open sessions (with an output dir) and stop the actors."""
+    import uvicorn
+
+    state, actors = build_state(cfg)
+    server = uvicorn.Server(_uvicorn_config(create_app(state), cfg.server.host, cfg.server.port, cfg.server.log_level))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the signal it shut down on; the shutdown was clean
+        pass
+    finally:
+        _shutdown(state, actors)
+
+
+class ServerThread:
+    """uvicorn on ``host:port`` (0 = a free port) in a daemon thread; ``url`` once started; ``stop()`` ends it."""
+
+    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.state = state
+        self.server = uvicorn.Server(_uvicorn_config(create_app(state), host, port, log_level))
+        self.thread = threading.Thread(target=self.server.run, name="tito-serve", daemon=True)
+        self.host = host
+        self.port = port
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

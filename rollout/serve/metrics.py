@@ -1,0 +1,134 @@
+"""Prometheus text exposition (format 0.0.4) for the server: counters, gauges and histograms.
+
+Small and dependency-free: the server updates plain Python numbers on its event loop (one thread,
+so no locks) and renders them on ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def _labels(labels: Labels) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+    return "{" + inner + "}"
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Histogram:
+    __slots__ = ("buckets", "counts", "sum", "count")
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+
+
+class Metrics:
+    """Named metrics with label sets. ``inc``/``set``/``observe`` create series on first use."""
+
+    def __init__(self, prefix: str = "tito") -> None:
+        self.prefix = prefix
+        self.help: dict[str, tuple[str, str]] = {}  # name -> (type, help)
+        self.values: dict[str, dict[Labels, float]] = defaultdict(dict)
+        self.histograms: dict[str, dict[Labels, Histogram]] = defaultdict(dict)
+        self.buckets: dict[str, tuple[float, ...]] = {}
+
+    def counter(self, name: str, help_text: str) -> None:
+        self.help[name] = ("counter", help_text)
+
+    def gauge(self, name: str, help_text: str) -> None:
+        self.help[name] = ("gauge", help_text)
+
+    def histogram(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.help[name] = ("histogram", help_text)
+        self.buckets[name] = buckets
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        series = self.values[name]
+        key = tuple(sorted(labels.items()))
+        series[key] = series.get(key, 0.0) + amount
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        self.values[name][tuple(sorted(labels.items()))] = value
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        series = self.histograms[name]
+        h = series.get(key)
+        if h is None:
+            h = series[key] = Histogram(self.buckets[name])
+        h.observe(value)
+
+    def get(self, name: str, **labels: str) -> float:
+        return self.values.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for name, (kind, help_text) in self.help.items():
+            full = f"{self.prefix}_{name}"
+            lines.append(f"# HELP {full} {help_text}")
+            lines.append(f"# TYPE {full} {kind}")
+            if kind == "histogram":
+                for labels, h in self.histograms.get(name, {}).items():
+                    running = 0
+                    for bound, n in zip(h.buckets, h.counts):
+                        running += n
+                        lines.append(f"{full}_bucket{_labels(labels + (('le', repr(float(bound))),))} {running}")
+                    lines.append(f"{full}_bucket{_labels(labels + (('le', '+Inf'),))} {h.count}")
+                    lines.append(f"{full}_sum{_labels(labels)} {h.sum!r}")
+                    lines.append(f"{full}_count{_labels(labels)} {h.count}")
+            else:
+                for labels, value in self.values.get(name, {}).items():
+                    lines.append(f"{full}{_labels(labels)} {_number(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def server_metrics() -> Metrics:
+    """The server's metric set (names without the ``tito_`` prefix)."""
+    m = Metrics()
+    m.counter("requests_total", "HTTP requests by route and status code")
+    m.histogram("request_latency_seconds", "time from request received to response ready, by route")
+    m.histogram("engine_seconds", "the engine's own time per request (queue + prefill + decode, as it reports)")
+    m.histogram("server_overhead_seconds", "request latency minus the engine's own time (generate routes)")
+    m.counter("prompt_tokens_total", "prompt tokens of served requests")
+    m.counter("completion_tokens_total", "sampled tokens of served requests")
+    m.counter("cached_prompt_tokens_total", "prompt tokens the engine served from its cache (session KV / prefix)")
+    m.histogram("completion_tokens", "sampled tokens per request", TOKEN_BUCKETS)
+    m.counter("finish_total", "completions by finish reason")
+    m.counter("aborts_total", "requests aborted, by cause (client_disconnect, abort_requests, pause)")
+    m.counter("engine_errors_total", "requests failed by an engine or the server (500)")
+    m.counter("session_turns_total", "session chat turns, by how the prompt was built (first, bridged, break, retry)")
+    m.counter("breaks_total", "session turns that could not be bridged append-only, by reason")
+    m.counter("sessions_expired_total", "sessions dropped after their idle timeout")
+    m.gauge("sessions_active", "sessions held")
+    m.gauge("requests_in_flight", "requests running on the engines")
+    m.gauge("cache_reuse_ratio", "cached prompt tokens / prompt tokens, over all served requests")
+    m.gauge("routing_moves", "sticky sessions moved to another engine because theirs was overloaded")
+    m.gauge("engine_load", "requests in flight per engine")
+    m.gauge("paused", "1 while generation is paused")
+    m.gauge("weight_version", "the weight version of new samples")
+    return m

@@ -1,0 +1,198 @@
+"""Chat sessions: the rollout loop's bridging for clients that speak OpenAI chat completions.
+
+A session (``X-Session-ID``) is one rollout held by a renderer service (``RendererService``: the same
+begin / record / bridge / restart code ``tito run`` uses, as a Ray actor or a local object). The first
+call renders its messages. A later call whose messages are the previous call's messages, then the
+assistant message this server returned, then new messages, is bridged append-only: the new prompt is
+the previous prompt + the sampled completion + the new messages' tokens, so no sampled token is ever
+re-rendered. Any other call (an edited history, changed tools, a retry after a failed turn) is not
+silently bridged: it records a Break with its reason and starts a new segment from a full render.
+
+Calls on one session are serialized (a lock per session). Sessions idle longer than the configured
+timeout are finished (their samples written when the server has an output directory) and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from renderers import MessageError, normalize_messages
+
+from ..handles import call
+
+# Break reasons that come from the session layer, next to the renderer's BreakReason values
+HISTORY_EDITED = "history_edited"
+TOOLS_CHANGED = "tools_changed"
+RETRY_AFTER_FAILED_TURN = "previous_turn_not_sampled"
+
+
+class SessionLimit(RuntimeError):
+    """Too many sessions are held (429)."""
+
+
+@dataclass
+class Session:
+    id: str
+    renderer: Any
+    messages: list[dict] = field(default_factory=list)  # the last call's messages (normalized)
+    tools: list[dict] | None = None
+    prompt_ids: list[int] = field(default_factory=list)  # the last call's prompt
+    last_completion: list[int] = field(default_factory=list)  # what the engine sampled for it
+    assistant: dict | None = None  # what the last call returned; None until a turn was sampled
+    turn: int = 0  # the next turn's index
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    bridged: int = 0
+    breaks: int = 0
+
+
+@dataclass
+class Prepared:
+    """The prompt for a session turn and how it was built: "first", "bridged", "break" or "retry"."""
+
+    prompt_ids: list[int]
+    kind: str
+    brk: dict | None = None
+
+
+def _same_assistant(sent: dict, ours: dict) -> bool:
+    """Does the client's copy of an assistant turn match what this server returned? Content and tool
+    calls (name + arguments, as JSON values) must match; call ids and a dropped reasoning_content are
+    tolerated (clients commonly regenerate ids and drop reasoning), a changed reasoning_content is not."""
+    if sent.get("role") != "assistant" or (sent.get("content") or "") != (ours.get("content") or ""):
+        return False
+    if "reasoning_content" in sent and sent["reasoning_content"] != ours.get("reasoning_content"):
+        return False
+
+    def calls(m: dict) -> list[tuple[str, Any]]:
+        out = []
+        for c in m.get("tool_calls") or []:
+            fn = c.get("function", c)
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError:
+                    pass
+            out.append((fn.get("name"), args))
+        return out
+
+    return calls(sent) == calls(ours)
+
+
+def _first_difference(a: list[dict], b: list[dict]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+class SessionManager:
+    def __init__(self, renderers: list[Any], *, idle_timeout_s: float, max_sessions: int,
+                 write_samples: bool = False) -> None:
+        if not renderers:
+            raise ValueError("need at least one renderer service")
+        self.renderers = renderers
+        self.sessions: dict[str, Session] = {}
+        self.idle_timeout_s = idle_timeout_s
+        self.max_sessions = max_sessions
+        self.write_samples = write_samples
+        self._next_renderer = itertools.cycle(range(len(renderers)))
+        self.expired = 0
+
+    def get(self, session_id: str) -> Session | None:
+        return self.sessions.get(session_id)
+
+    def open(self, session_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            if len(self.sessions) >= self.max_sessions:
+                raise SessionLimit(f"{len(self.sessions)} sessions are held (sessions.max_sessions); "
+                                   "delete finished sessions or raise the limit")
+            s = self.sessions[session_id] = Session(session_id, self.renderers[next(self._next_renderer)])
+        s.last_used = time.monotonic()
+        return s
+
+    async def prepare(self, s: Session, messages: list[dict], tools: list[dict] | None) -> Prepared:
+        """The prompt for this call (the caller holds ``s.lock``). Raises ValueError naming the problem
+        for messages that cannot be rendered; the session is unchanged then."""
+        msgs = normalize_messages(messages)
+        if not msgs:
+            raise MessageError("messages is empty")
+        if msgs[-1]["role"] == "assistant":
+            raise MessageError("the last message is an assistant message: nothing to answer")
+        if not s.prompt_ids:  # a new session
+            prepared = Prepared(await call(s.renderer, "begin", s.id, msgs, tools), "first")
+        elif s.assistant is None:  # the previous turn was never sampled (an engine error, a disconnect)
+            if msgs == s.messages and tools == s.tools:
+                prepared = Prepared(s.prompt_ids, "retry")
+            else:
+                prepared = await self._restart(s, msgs, tools, RETRY_AFTER_FAILED_TURN,
+                                               "the previous call produced no completion and this one changes "
+                                               "the conversation")
+        elif tools != s.tools:
+            prepared = await self._restart(s, msgs, tools, TOOLS_CHANGED, "the tool definitions changed")
+        else:
+            n = len(s.messages)
+            extends = len(msgs) > n and msgs[:n] == s.messages and _same_assistant(msgs[n], s.assistant)
+            if extends:
+                kind, ids, brk = await call(s.renderer, "bridge_next", s.id, msgs[n + 1:], s.turn)
+                if kind == "append":
+                    prepared = Prepared([*s.prompt_ids, *s.last_completion, *ids], "bridged")
+                else:
+                    prepared = Prepared(ids, "break", brk)
+            else:
+                at = _first_difference(msgs, [*s.messages, s.assistant])
+                prepared = await self._restart(
+                    s, msgs, tools, HISTORY_EDITED,
+                    f"message {at} differs from the conversation this session sampled (edited or dropped history)")
+        s.messages, s.tools, s.prompt_ids, s.assistant = msgs, tools, prepared.prompt_ids, None
+        s.bridged += prepared.kind == "bridged"
+        s.breaks += prepared.brk is not None
+        return prepared
+
+    async def _restart(self, s: Session, msgs: list[dict], tools: list[dict] | None, reason: str,
+                       detail: str) -> Prepared:
+        ids = await call(s.renderer, "restart", s.id, msgs, tools, s.turn, reason, detail)
+        return Prepared(ids, "break", {"turn": s.turn, "reason": reason, "detail": detail, "position": None})
+
+    async def record(self, s: Session, completion_ids: list[int], logprobs: list[float] | None,
+                     weight_version: int, assistant: dict) -> None:
+        """Record a sampled turn (trainable tokens + logprobs) and what the client was answered."""
+        await call(s.renderer, "record_turn", s.id, (s.turn, completion_ids, logprobs, weight_version, assistant))
+        s.assistant = assistant
+        s.last_completion = list(completion_ids)
+        s.turn += 1
+        s.last_used = time.monotonic()
+
+    async def sample(self, session_id: str) -> dict:
+        s = self.sessions[session_id]
+        out = await call(s.renderer, "sample", session_id)
+        out.update(session_id=session_id, turns=s.turn, bridged_turns=s.bridged)
+        return out
+
+    async def close(self, session_id: str, reason: str = "deleted") -> int:
+        """Drop a session; with an output directory its samples are written first. Returns rows written."""
+        s = self.sessions.pop(session_id, None)
+        if s is None:
+            raise KeyError(session_id)
+        if not s.prompt_ids:
+            return 0
+        if self.write_samples:
+            meta = {"task_id": session_id, "group_id": session_id, "finish_reason": reason,
+                    "messages": [*s.messages, *([s.assistant] if s.assistant else [])]}
+            return await call(s.renderer, "finish", session_id, meta)
+        await call(s.renderer, "discard", session_id)
+        return 0
+
+    async def expire(self, now: float | None = None) -> list[str]:
+        """Close the sessions idle longer than the timeout (not those in a call)."""
+        now = time.monotonic() if now is None else now
+        stale = [sid for sid, s in self.sessions.items()
+                 if now - s.last_used > self.idle_timeout_s and not s.lock.locked()]
+        for sid in stale:
+            await self.close(sid, "expired")
+        self.expired += len(stale)
+        return stale

@@ -1,0 +1,203 @@
+"""`tito serve` with the real embedded engine (SmolLM2-135M, CPU) on real Ray and loopback HTTP:
+a generate round trip, a chat session whose second turn is bridged and reuses the engine's session KV,
+a client that hangs up mid-generation (the engine stops), and the interop proof: the PyPI package
+``renderers`` (its own ``renderers.client.generate``, unchanged, in a separate virtual environment,
+because our top-level package has the same name) drives a full generate round trip against this server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import ray  # noqa: E402
+
+from rollout.config import ServeConfig, load_config  # noqa: E402
+
+from ._support import SMOLLM2, missing, reference, smollm2_gguf  # noqa: E402
+
+RENDERERS_PYPI = "0.1.12"
+# openai 3.x depends on httpx2, while renderers 0.1.12's client imports httpx (undeclared): pin openai 2.x
+INTEROP_REQUIREMENTS = [f"renderers[transformers]=={RENDERERS_PYPI}", "openai>=1.108.1,<3"]
+EOS = 2  # <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from rollout.serve.launch import ServerThread, build_state
+
+    gguf = smollm2_gguf()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+             namespace="tito-test-serve-embedded", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+    cfg = load_config(None, [f"model={gguf}", "served_model_name=smollm2-test", "engine.backend=embedded",
+                             "engine.num_cpus=0.5", "engine.options={threads: 1, max_batch: 8, max_model_len: 2048}"],
+                      schema=ServeConfig)
+    state, actors = build_state(cfg)
+    srv = ServerThread(state).start()
+    yield srv
+    srv.stop()
+    for a in actors:
+        ray.kill(a)
+    ray.shutdown()
+
+
+def post(srv, path, body, headers=None, timeout=120):
+    req = urllib.request.Request(srv.url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get(srv, path):
+    with urllib.request.urlopen(srv.url + path, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def hf_prompt(messages) -> list[int]:
+    hf = reference(SMOLLM2)
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return hf(text, add_special_tokens=False)["input_ids"]
+
+
+def test_generate_round_trip(server):
+    prompt = hf_prompt([{"role": "user", "content": "What is the capital of France?"}])
+    status, r = post(server, "/inference/v1/generate", {"model": "smollm2-test", "token_ids": prompt, "sampling_params": {
+        "max_tokens": 24, "temperature": 0, "stop_token_ids": [EOS], "logprobs": 1}})
+    assert status == 200, r
+    choice = r["choices"][0]
+    assert choice["finish_reason"] in ("stop", "length") and 0 < len(choice["token_ids"]) <= 24
+    assert all(c["logprob"] <= 0 for c in choice["logprobs"]["content"])
+    assert "Paris" in reference(SMOLLM2).decode(choice["token_ids"])
+    status, again = post(server, "/inference/v1/generate", {"token_ids": prompt, "sampling_params": {
+        "max_tokens": 24, "temperature": 0, "stop_token_ids": [EOS]}})
+    assert again["choices"][0]["token_ids"] == choice["token_ids"]  # greedy is deterministic
+
+
+def test_chat_session_bridges_and_reuses_the_engine_kv(server):
+    sid = "smol-1"
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    status, r1 = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 16, "temperature": 0,
+                                                       "return_token_ids": True}, {"X-Session-ID": sid})
+    assert status == 200, r1
+    assert r1["prompt_token_ids"] == hf_prompt(msgs)
+    msgs2 = [*msgs, r1["choices"][0]["message"], {"role": "user", "content": "Another one."}]
+    status, r2 = post(server, "/v1/chat/completions", {"messages": msgs2, "max_tokens": 16, "temperature": 0,
+                                                       "return_token_ids": True}, {"X-Session-ID": sid})
+    assert status == 200 and r2["session"]["prompt"] == "bridged"
+    prefix = r1["prompt_token_ids"] + r1["choices"][0]["token_ids"]
+    assert r2["prompt_token_ids"][: len(prefix)] == prefix
+    # sticky routing + the session id: the engine served the previous turn's tokens from its session KV
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prefix) - 1
+    sample = get(server, f"/v1/sessions/{sid}/sample")
+    (seg,) = sample["segments"]
+    assert sum(seg["loss_mask"]) == len(r1["choices"][0]["token_ids"]) + len(r2["choices"][0]["token_ids"])
+
+
+def test_client_hanging_up_stops_the_engine(server):
+    body = json.dumps({"token_ids": [1, 9690, 198], "request_id": "smol-hangup",
+                       "sampling_params": {"max_tokens": 1500, "ignore_eos": True}}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 20
+    while get(server, "/health")["engines"][0]["in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # mid-generation (1500 tokens take far longer on this CPU)
+    sock.close()
+    deadline = time.monotonic() + 10
+    while get(server, "/health")["engines"][0]["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert get(server, "/health")["engines"][0]["in_flight"] == 0, "the engine kept generating after the hang-up"
+    state = server.state
+    assert state.metrics.get("aborts_total", cause="client_disconnect") == 1
+    assert state.metrics.get("finish_total", finish="abort") == 1  # the engine returned the request as aborted
+    status, r = post(server, "/inference/v1/generate", {"token_ids": [1, 9690], "sampling_params": {"max_tokens": 2}})
+    assert status == 200 and len(r["choices"][0]["token_ids"]) == 2
+
+
+# ---- interop: the PyPI `renderers` client, unchanged --------------------------------------------
+
+
+def _interop_python() -> Path:
+    """A venv with renderers==0.1.12 from PyPI, cached under $TITO_CACHE/venvs keyed by the version."""
+    cache = Path(os.environ.get("TITO_CACHE") or "~/.cache/tito").expanduser()
+    root = cache / "venvs" / f"renderers-{RENDERERS_PYPI}"
+    python = root / "bin" / "python"
+    if (root / ".complete").is_file():
+        return python
+    tmp = root.with_name(f".{root.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", str(tmp)], check=True)
+    done = subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", *INTEROP_REQUIREMENTS],
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        missing(f"could not install {INTEROP_REQUIREMENTS} from PyPI: {done.stderr[-2000:]}")
+    (tmp / ".complete").write_text(" ".join(INTEROP_REQUIREMENTS))
+    try:
+        tmp.rename(root)
+    except OSError:  # another run finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return python
+
+
+CLIENT_SCRIPT = """
+import asyncio, json, sys
+from openai import AsyncOpenAI
+from renderers import DefaultRendererConfig, create_renderer
+from renderers.base import load_tokenizer
+from renderers.client import generate
+
+async def main(url, tokenizer_dir):
+    renderer = create_renderer(load_tokenizer(tokenizer_dir), DefaultRendererConfig())
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused")
+    out = await generate(client=client, renderer=renderer, model="smollm2-test",
+                         messages=[{"role": "user", "content": "What is the capital of France?"}],
+                         sampling_params={"max_tokens": 24, "temperature": 0.0})
+    keep = ("request_id", "usage", "prompt_ids", "completion_ids", "completion_logprobs", "content", "finish_reason")
+    print(json.dumps({k: out[k] for k in keep}))
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+@pytest.mark.slow
+def test_pypi_renderers_client_round_trip(server, tmp_path):
+    python = _interop_python()
+    tokenizer_dir = tmp_path / "tokenizer"
+    reference(SMOLLM2).save_pretrained(str(tokenizer_dir))  # the GGUF's tokenizer as a directory it can load
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env["HF_HUB_OFFLINE"] = "1"
+    # -I: isolated, so neither the working directory nor PYTHONPATH can put our `renderers` first
+    done = subprocess.run([str(python), "-I", str(script), server.url, str(tokenizer_dir)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert out["prompt_ids"] == hf_prompt(messages)
+    assert 0 < len(out["completion_ids"]) <= 24 and len(out["completion_logprobs"]) == len(out["completion_ids"])
+    assert out["finish_reason"] in ("stop", "length") and "Paris" in out["content"]
+    assert out["usage"]["prompt_tokens"] == len(out["prompt_ids"])
+    # the same greedy request straight to the route gives the same tokens and logprobs
+    _, direct = post(server, "/inference/v1/generate", {"token_ids": out["prompt_ids"], "sampling_params": {
+        "max_tokens": 24, "temperature": 0, "stop_token_ids": [EOS], "logprobs": 1}})
+    assert direct["choices"][0]["token_ids"] == out["completion_ids"]
+    assert [c["logprob"] for c in direct["choices"][0]["logprobs"]["content"]] == pytest.approx(
+        out["completion_logprobs"], abs=1e-4)
