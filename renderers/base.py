@@ -53,6 +53,9 @@ class Renderer:
     template_kwargs_allowed: ClassVar[dict[str, type]] = {}
     reasoning_efforts: ClassVar[tuple[str, ...]] = ()  # levels the template distinguishes (EFFORT_LEVELS order)
     supports_tools: ClassVar[bool] = True
+    # How tool-call arguments of earlier assistant turns must be given for this template to re-render them
+    # as sampled: "object" (the template applies tojson to a dict) or "json" (it concatenates a string).
+    history_arguments: ClassVar[str] = "object"
     turn_close: ClassVar[str]  # the special token that closes an assistant turn
     after_close: ClassVar[str] = ""  # template text between that token and the next message
     think_tokens: ClassVar[tuple[str, str] | None] = None

@@ -7,12 +7,18 @@ from typing import Any
 from .base import Renderer
 from .chatml import ChatMLRenderer, SmolLM2Renderer
 from .deepseek_r1_distill import DeepSeekR1DistillRenderer
+from .deepseek_v3 import DeepSeekR1Renderer, DeepSeekV3Renderer
+from .gemma3 import Gemma3Renderer
+from .harmony import HarmonyRenderer
+from .llama3 import Llama31Renderer, Llama32Renderer
+from .llama3_nemotron import NemotronSuperRenderer
 from .qwen import Qwen3Renderer, Qwen25Renderer
+from .qwen3_coder import Qwen3CoderRenderer
 from .tokenizer import Tokenizer
 
 RENDERERS: dict[str, type[Renderer]] = {
     cls.name: cls
-    for cls in (ChatMLRenderer, SmolLM2Renderer, Qwen3Renderer, Qwen25Renderer, DeepSeekR1DistillRenderer)
+    for cls in (ChatMLRenderer, SmolLM2Renderer, Qwen3Renderer, Qwen25Renderer, DeepSeekR1DistillRenderer, DeepSeekV3Renderer, DeepSeekR1Renderer, Llama31Renderer, Llama32Renderer, NemotronSuperRenderer, Gemma3Renderer, Qwen3CoderRenderer, HarmonyRenderer)
 }
 BY_TEMPLATE_HASH: dict[str, type[Renderer]] = {h: cls for cls in RENDERERS.values() for h in cls.template_hashes}
 

@@ -49,13 +49,15 @@ class ToolCall(msgspec.Struct):
     raw: str
     error: str | None = None
 
-    def to_openai(self, call_id: str) -> dict:
+    def to_openai(self, call_id: str, arguments: str = "json") -> dict:
+        """The OpenAI ``tool_calls`` entry; ``arguments="object"`` keeps the arguments a dict."""
         import json
 
+        args = self.arguments or {}
         return {
             "id": call_id,
             "type": "function",
-            "function": {"name": self.name or "", "arguments": json.dumps(self.arguments or {}, ensure_ascii=False)},
+            "function": {"name": self.name or "", "arguments": args if arguments == "object" else json.dumps(args, ensure_ascii=False)},
         }
 
 
@@ -73,15 +75,21 @@ class ParsedResponse(msgspec.Struct):
     reasoning_complete: bool | None
     stop_token_id: int | None
 
-    def to_message(self) -> dict:
+    def to_message(self, arguments: str = "json") -> dict:
         """The assistant message an environment sees (OpenAI shape). Calls whose status is not ok are
-        left out here; they stay in ``tool_calls`` with their status for the environment to report."""
+        left out here; they stay in ``tool_calls`` with their status for the environment to report.
+
+        ``arguments``: ``"json"`` (the OpenAI wire form, a JSON string) or ``"object"`` (a dict). A
+        conversation that will be re-rendered should carry them the way its template expects
+        (``Renderer.history_arguments``): most templates ``tojson`` a dict and would double-encode a string."""
+        if arguments not in ("json", "object"):
+            raise ValueError(f"arguments must be 'json' or 'object', got {arguments!r}")
         message: dict[str, Any] = {"role": "assistant", "content": self.content}
         if self.reasoning_content:
             message["reasoning_content"] = self.reasoning_content
         calls = [c for c in self.tool_calls if c.status is ToolCallStatus.OK]
         if calls:
-            message["tool_calls"] = [c.to_openai(f"call_{i}") for i, c in enumerate(calls)]
+            message["tool_calls"] = [c.to_openai(f"call_{i}", arguments) for i, c in enumerate(calls)]
         return message
 
 

@@ -202,7 +202,7 @@ class RolloutDriver:
                 raise RuntimeError(f"engine finished turn {turn} with {result.finish_reason}: {result.error}")
             budget -= len(result.completion_ids)
             parsed = self.parser.parse_response(result.completion_ids, prompt, tools)
-            assistant = parsed.to_message()
+            assistant = parsed.to_message(arguments=self.parser.history_arguments)
             messages.append(assistant)
             last_turn = (turn, result.completion_ids, result.logprobs, result.weight_version, assistant)
             if result.finish_reason == "length":

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jinja2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -93,12 +95,20 @@ def check_bridge_contract(family: Family, conversations: list[tuple[list[dict], 
             new = messages[k + 1 : nxt]
             if not new:
                 continue
-            prompt = family.reference_ids(messages[:k], tools, agp=True)
-            completion = sampled_completion(r, prompt, family.reference_ids(messages[: k + 1], tools))
+            if _has_marker(r.tokenizer, family.template, messages[:nxt], tools):
+                counts["skipped"] += 1  # transformers would turn the marker into its id: parity tests cover these
+                continue
+            try:
+                prompt = family.reference_ids(messages[:k], tools, agp=True)
+                full = family.reference_ids(messages[: k + 1], tools)
+                expected = family.reference_ids(messages[:nxt], tools, agp=True)
+            except (jinja2.exceptions.TemplateError, TypeError):
+                counts["skipped"] += 1  # the template rejects a prefix (e.g. an empty history)
+                continue
+            completion = sampled_completion(r, prompt, full)
             if completion is None:
                 counts["skipped"] += 1
                 continue
-            expected = family.reference_ids(messages[:nxt], tools, agp=True)
             result = r.bridge(prompt, completion, new, tools)
             stable = expected[: len(prompt) + len(completion)] == prompt + completion
             if isinstance(result, Break):
@@ -126,6 +136,16 @@ def check_bridge_contract(family: Family, conversations: list[tuple[list[dict], 
     return counts
 
 
+def _has_marker(tok: renderers.Tokenizer, template: str, messages: list[dict], tools: Any) -> bool:
+    """Message text holds a marker: a special added token, or a non-blank added token the template
+    itself uses (Qwen's ``<think>`` is not flagged special). Gemma's thousands of plain added tokens
+    (``<b>``, tab runs) are ordinary text to the model and to tito alike."""
+    text = json.dumps([messages, tools], ensure_ascii=False)
+    decoder = tok.backend.get_added_tokens_decoder().values()
+    markers = [t.content for t in decoder if t.special or (t.content.strip() and t.content in template)]
+    return any(m in text for m in markers)
+
+
 def _diff(r: renderers.Renderer, ours_ids: list[int], ref: list[int], what: str) -> str:
     i = next((j for j, (a, b) in enumerate(zip(ours_ids, ref, strict=False)) if a != b), min(len(ours_ids), len(ref)))
     dec = r.tokenizer.decode
@@ -137,6 +157,19 @@ def _diff(r: renderers.Renderer, ours_ids: list[int], ref: list[int], what: str)
 
 
 # ---- round trip --------------------------------------------------------------------------------
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Equal values of equal JSON types: ``True`` is not ``1`` and ``1`` is not ``1.0`` here, unlike ``==``."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return a == b
 
 
 def _arguments(call: dict) -> Any:
@@ -169,7 +202,8 @@ def check_round_trip(
         assert parsed.stop_token_id == completion[stop[-1]]
         calls = want.get("tool_calls", [])
         assert [c.name for c in parsed.tool_calls] == [c["function"]["name"] for c in calls], parsed
-        assert [c.arguments for c in parsed.tool_calls] == [_arguments(c) for c in calls], parsed
+        got, expected = [c.arguments for c in parsed.tool_calls], [_arguments(c) for c in calls]
+        assert same_json(got, expected), (got, expected)
         assert all(c.status is ToolCallStatus.OK for c in parsed.tool_calls), parsed
         checked += 1
     return checked

@@ -122,3 +122,15 @@ def test_other_families(fixture):
         parsed = r.parse_response(hf("Blue <think> x<|im_end|>", add_special_tokens=False)["input_ids"])
         assert parsed.content == "Blue <think> x" and parsed.tool_calls == []
         assert parsed.stop_token_id == 2
+
+
+def test_to_message_gives_arguments_as_the_template_wants_them(qwen3):
+    completion = ids('<tool_call>\n{"name": "calculator", "arguments": {"expr": "6*7"}}\n</tool_call><|im_end|>')
+    parsed = qwen3.parse_response(completion, tools=TOOLS)
+    wire = parsed.to_message()["tool_calls"][0]["function"]["arguments"]
+    assert wire == '{"expr": "6*7"}'  # OpenAI's wire form: a JSON string
+    assert parsed.to_message(arguments="object")["tool_calls"][0]["function"]["arguments"] == {"expr": "6*7"}
+    assert qwen3.history_arguments == "object"
+    assert renderers.RENDERERS["deepseek-r1-distill"].history_arguments == "json"  # that template concatenates
+    with pytest.raises(ValueError, match="'json' or 'object'"):
+        parsed.to_message(arguments="yaml")
