@@ -9,6 +9,7 @@ from .chatml import ChatMLRenderer, SmolLM2Renderer
 from .deepseek_r1_distill import DeepSeekR1DistillRenderer
 from .deepseek_v3 import DeepSeekR1Renderer, DeepSeekV3Renderer
 from .gemma3 import Gemma3Renderer
+from .generic import GenericRenderer
 from .harmony import HarmonyRenderer
 from .llama3 import Llama31Renderer, Llama32Renderer
 from .llama3_nemotron import NemotronSuperRenderer
@@ -18,13 +19,28 @@ from .tokenizer import Tokenizer
 
 RENDERERS: dict[str, type[Renderer]] = {
     cls.name: cls
-    for cls in (ChatMLRenderer, SmolLM2Renderer, Qwen3Renderer, Qwen25Renderer, DeepSeekR1DistillRenderer, DeepSeekV3Renderer, DeepSeekR1Renderer, Llama31Renderer, Llama32Renderer, NemotronSuperRenderer, Gemma3Renderer, Qwen3CoderRenderer, HarmonyRenderer)
+    for cls in (
+        ChatMLRenderer,
+        SmolLM2Renderer,
+        Qwen3Renderer,
+        Qwen25Renderer,
+        Qwen3CoderRenderer,
+        DeepSeekR1DistillRenderer,
+        DeepSeekV3Renderer,
+        DeepSeekR1Renderer,
+        Llama31Renderer,
+        Llama32Renderer,
+        NemotronSuperRenderer,
+        Gemma3Renderer,
+        HarmonyRenderer,
+        GenericRenderer,  # claims no hash: chosen for every template the others do not claim
+    )
 }
 BY_TEMPLATE_HASH: dict[str, type[Renderer]] = {h: cls for cls in RENDERERS.values() for h in cls.template_hashes}
 
 
 class UnknownTemplateError(ValueError):
-    """No renderer was verified against this template."""
+    """The tokenizer has no chat template to render."""
 
 
 def select_renderer(tokenizer: Tokenizer, name: str | None = None) -> tuple[type[Renderer], str]:
@@ -42,11 +58,10 @@ def select_renderer(tokenizer: Tokenizer, name: str | None = None) -> tuple[type
             f"({', '.join(sorted(RENDERERS))})"
         )
     cls = BY_TEMPLATE_HASH.get(digest)
-    if cls is None:
-        known = "\n".join(f"  {h}  {c.name}" for h, c in sorted(BY_TEMPLATE_HASH.items(), key=lambda kv: kv[1].name))
-        raise UnknownTemplateError(
-            f"no renderer is verified for the chat template of {tokenizer.name_or_path} "
-            f"(sha256 {digest}); known templates:\n{known}\npass name= to force a family"
+    if cls is None:  # a template no hand-coded renderer was verified against: render the template itself
+        return GenericRenderer, (
+            f"no hand-coded renderer is verified for sha256 {digest} (the chat template of "
+            f"{tokenizer.name_or_path}); rendering with the generic template renderer"
         )
     return cls, f"template sha256 {digest[:16]}… is verified for {cls.name}"
 

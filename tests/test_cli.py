@@ -33,14 +33,17 @@ def test_render_the_default_model_alias():
     assert "renderer smollm2" in out.stdout
 
 
-def test_template_explains_the_choice():
+def test_template_explains_the_choice(tmp_path):
     out = tito("template", str(tokenizer_dir("qwen3-0.6b")))
     assert out.returncode == 0
     assert "87a2728cb8dc9fe4" in out.stdout and "verified for qwen3" in out.stdout
-    unknown = tito("template", str(tokenizer_dir("qwen3-coder-30b-a3b-instruct")))
-    assert unknown.returncode == 2
-    assert "no renderer is verified" in unknown.stderr and "Traceback" not in unknown.stderr
-    forced = tito("template", str(tokenizer_dir("qwen3-coder-30b-a3b-instruct")), "--renderer", "qwen3")
+    changed = tmp_path / "changed.jinja"  # Qwen3's template with a knowledge-cutoff line: no hand-coded claim
+    template = json.loads((tokenizer_dir("qwen3-0.6b") / "tokenizer_config.json").read_text())["chat_template"]
+    changed.write_text("Knowledge cutoff: 2024-06\n" + template)
+    unknown = tito("template", str(tokenizer_dir("qwen3-0.6b")), "--chat-template", str(changed))
+    assert unknown.returncode == 0, unknown.stderr
+    assert "renderer   generic" in unknown.stdout and "no hand-coded renderer is verified" in unknown.stdout
+    forced = tito("template", str(tokenizer_dir("qwen3-0.6b")), "--chat-template", str(changed), "--renderer", "qwen3")
     assert forced.returncode == 0 and "forced" in forced.stdout
 
 

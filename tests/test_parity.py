@@ -109,6 +109,8 @@ def make_ctx(case: Case, tokenizers: TokenizerStore) -> Ctx:
     pair = tokenizers.get(case.tokenizer)
     tok = pair.ours
     assert tok.added_tokens == dict(pair.hf.added_tokens_encoder), "tito and transformers disagree on the added tokens"
+    if case.chat_template is not None:  # the renderer sees the template under test, as a model shipping it would
+        tok = tok.with_chat_template(case.chat_template, f"{case.tokenizer} + {case.id}")
     renderer = renderers.create_renderer(tok, name=case.renderer_name, **case.kwargs)
     template = case.chat_template or pair.hf.chat_template
     assert isinstance(template, str)
@@ -164,7 +166,8 @@ def compare(ctx: Ctx, conv: Conversation, agp: bool) -> tuple[str, str | None]:
     msgs = renderers.normalize_messages(conv.messages)
     try:
         text = ctx.hf_text(msgs, conv.tools, agp, ctx.template)
-    except jinja2.exceptions.TemplateError as exc:  # the template rejects the conversation
+    except (jinja2.exceptions.TemplateError, TypeError) as exc:  # the template rejects the conversation
+        # (a TypeError is the template's own Python operation failing, e.g. `arguments|items` on a string)
         try:
             ctx.renderer.render(conv.messages, conv.tools, add_generation_prompt=agp)
         except renderers.TemplateRejected:
@@ -377,11 +380,20 @@ def test_chatml_template_hash_selects_chatml(tokenizers: TokenizerStore) -> None
     assert hashlib.sha256(CHATML_TEMPLATE.encode()).hexdigest() in renderers.RENDERERS["chatml"].template_hashes
 
 
-def test_unclaimed_template_is_refused_with_its_hash(tokenizers: TokenizerStore) -> None:
+def test_unclaimed_template_goes_to_the_generic_renderer(tokenizers: TokenizerStore) -> None:
+    # the Qwen3-Coder template with one character changed: claimed by no hand-coded renderer
     pair = tokenizers.get("qwen3-coder-30b-a3b-instruct")
-    digest = hashlib.sha256(pair.hf.chat_template.encode("utf-8")).hexdigest()
-    with pytest.raises(renderers.UnknownTemplateError, match=digest):
-        renderers.create_renderer(pair.ours)
+    template = pair.hf.chat_template.replace("You are Qwen,", "You are Qwen!", 1)
+    assert template != pair.hf.chat_template
+    tok = pair.ours.with_chat_template(template, "qwen3-coder-changed")
+    digest = hashlib.sha256(template.encode("utf-8")).hexdigest()
+    cls, reason = renderers.select_renderer(tok)
+    assert cls.name == "generic" and digest in reason and "generic template renderer" in reason
+    assert renderers.create_renderer(tok).name == "generic"
+    # a tokenizer without any chat template is still refused
+    bare = renderers.Tokenizer(pair.ours.backend, chat_template=None, name_or_path="no-template")
+    with pytest.raises(renderers.UnknownTemplateError, match="no chat template"):
+        renderers.create_renderer(bare)
 
 
 # ---- attribution -------------------------------------------------------------------------------

@@ -1,0 +1,600 @@
+"""The generic template renderer: any chat template, rendered with minijinja, with token parity,
+marker safety, attribution found by annotated renders, and an append-only bridge learnt by probing.
+
+How a render works (``GenericRenderer.render``):
+
+1. The real text: the template rendered as transformers renders it (renderers/template_env.py).
+2. An annotated render: every added-token string inside message text / tool definitions is
+   *defused* (a private-use character after its first character), and the stripped core of each
+   message text field is wrapped in two private-use marks naming the message. Removing those
+   characters must give the real text back exactly; then the added-token strings of the defused
+   text are the template's own special tokens, and the marks are the exact spans of message content.
+   Where it does not (the template tested or transformed the text in a way the marks change, e.g.
+   ``startswith``, ``trim`` of a marked edge), a defused-only render is tried for the special
+   tokens, without content spans; where even that differs (the template branched on a marker,
+   e.g. split content on ``</think>``), the real text is split on every added-token string, as
+   transformers does (the template intended those markers).
+3. Message boundaries: between the text of message i-1 and that of message i, message i starts
+   after the first turn-closing token (and the whitespace after it), or where message i-1's text
+   ends when there is none. Where some message's text was not found (or is out of order), renders
+   of growing prefixes decide: message i's turn starts where the render of the first i messages
+   stops agreeing with the full render, moved past that prefix render's closing text. What the
+   template renders for no messages (BOS, a default system prompt, tool definitions) and the
+   generation prompt belong to no message (-1).
+4. Sampled tokens: in an assistant message's turn, after the part the turn shares with the
+   generation prompt (the header), through the last stop token of the turn.
+5. Tokens: each run of text between two special tokens is encoded on its own (renderers/pieces.py),
+   which reproduces the reference tokenizer's ids.
+"""
+
+from __future__ import annotations
+
+import re
+from bisect import bisect_left, bisect_right
+from typing import Any
+
+from .annotate import (
+    DEFUSE_CANDIDATES,
+    MARK_RE,
+    MAX_MARKED,
+    added_regex,
+    all_strings,
+    common_prefix,
+    content_spans,
+    defused,
+    mark_message,
+    marker_tokens,
+    past_closing,
+    snap,
+)
+from .base import THINKING_RETENTION, Renderer, TemplateRejected
+from .messages import MessageError, normalize_messages, normalize_tools
+from .pieces import Piece, encode_pieces
+from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, Probe, closers, probe_template, splice_point
+from .template_env import compile_template, defused_template
+from .tokenizer import Tokenizer
+from .types import Break, BreakReason, Bridged, Capabilities, ParsedResponse, RenderedTokens
+
+# Private-use characters: defusing markers, and marking message text. Inputs that contain any of them
+# are rendered without marks (coarser attribution), never wrongly.
+_END_OF_TEXT = re.compile(r"<\|?(endoftext|end_of_text|eos)\|?>|<｜end▁of▁sentence｜>")
+_PROBE_CACHE: dict[tuple, tuple[Any, Probe]] = {}  # (template sha256, backend id, kwargs) -> (backend, probe)
+
+
+class GenericRenderer(Renderer):
+    """Any chat template (see the module docstring). Capabilities, template kwargs, stop tokens and
+    the bridge come from probing the template when the renderer is built."""
+
+    name = "generic"
+    turn_close = ""  # per instance, from the probe
+
+    def __init__(self, tokenizer: Tokenizer, *, thinking_retention: str = "keep", **template_kwargs: Any) -> None:
+        if thinking_retention not in THINKING_RETENTION:
+            raise ValueError(f"thinking_retention must be one of {THINKING_RETENTION}, got {thinking_retention!r}")
+        if tokenizer.chat_template is None:
+            raise ValueError(f"{tokenizer.name_or_path} has no chat template for the generic renderer to render")
+        markers = marker_tokens(tokenizer)
+        if len(markers) < len(tokenizer.added_tokens):
+            # A vocabulary with added tokens for ordinary text (SentencePiece user-defined symbols: Gemma's
+            # newline and space runs, HTML tags): message text is split on them as transformers does; only
+            # the control tokens stay text inside a message.
+            from .gemma3 import text_token_view
+
+            tokenizer = text_token_view(tokenizer)
+        self.tokenizer = tokenizer
+        self.thinking_retention = thinking_retention
+        self.template = compile_template(tokenizer.chat_template)
+        self.special = {k: v for k, v in (("bos_token", tokenizer.bos_token), ("eos_token", tokenizer.eos_token)) if v}
+        self._markers = tuple(sorted(markers))
+        self._added_re = added_regex(markers)
+        self._added_by_id = {v: k for k, v in tokenizer.added_tokens.items()}
+        # a model may also stop on its end-of-text token (Qwen's <|endoftext|>, Llama's <|end_of_text|>, <eos>)
+        self._end_of_text = tuple(i for t, i in markers.items() if _END_OF_TEXT.fullmatch(t))
+        self._probes: dict[tuple, Probe] = {}
+        base = self._probe({})
+        # per template, not per class: what the probe found
+        self.template_kwargs_allowed = dict(base.kwargs)
+        self.reasoning_efforts = base.reasoning_efforts
+        self.supports_tools = base.tools
+        self.history_arguments = base.history_arguments
+        self.template_kwargs = self.check_template_kwargs(template_kwargs)
+        added = tokenizer.added_tokens
+        self.think_ids = (added["<think>"], added["</think>"]) if "<think>" in added and "</think>" in added else None
+        pair = ("<tool_call>", "</tool_call>")
+        self.tool_call_ids = (added[pair[0]], added[pair[1]]) if all(t in added for t in pair) else None
+
+    # ---- probing ----------------------------------------------------------------------------------
+
+    def _probe(self, kwargs: dict[str, Any]) -> Probe:
+        last = self.__dict__.get("_last_probe")
+        if last is not None and last[0] is kwargs:  # the common case: the same kwargs dict as the last call
+            return last[1]
+        probe = self._probe_for(kwargs)
+        self._last_probe = (kwargs, probe)
+        return probe
+
+    def _probe_for(self, kwargs: dict[str, Any]) -> Probe:
+        local = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+        probe = self._probes.get(local)
+        if probe is not None:
+            return probe
+        backend = self.tokenizer.backend
+        key = (self.tokenizer.template_sha256, id(backend), local)
+        cached = _PROBE_CACHE.get(key)
+        if cached is not None and cached[0] is backend:  # the entry holds its backend: its id is not reused
+            probe = cached[1]
+        else:
+            probe = probe_template(self.template, self._added_re, self.special, kwargs)
+            if len(_PROBE_CACHE) > 256:
+                _PROBE_CACHE.clear()
+            _PROBE_CACHE[key] = (backend, probe)
+        self._probes[local] = probe
+        return probe
+
+    @property
+    def probe(self) -> Probe:
+        """The probe for the current template kwargs."""
+        return self._probe(self.template_kwargs)
+
+    @property  # type: ignore[override]
+    def turn_close_id(self) -> int:
+        """The added token that closes an assistant turn (-1 where the template has none)."""
+        close = self.probe.turn_close
+        return self.tokenizer.added_tokens[close] if close else -1
+
+    @property  # type: ignore[override]
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The probe's turn-closing tokens, then the tokenizer's end-of-sequence ids."""
+        probe = self.probe
+        cached = self.__dict__.get("_stops")
+        if cached is not None and cached[0] is probe:
+            return cached[1]
+        tok = self.tokenizer
+        stops = [tok.added_tokens[t] for t in probe.stop_tokens]
+        ids = tuple(dict.fromkeys([*stops, *tok.eos_token_ids, *self._end_of_text]))
+        self._stops = (probe, ids)
+        return ids
+
+    @property
+    def capabilities(self) -> Capabilities:
+        probe = self.probe
+        return Capabilities(
+            thinking_switch=probe.thinking_switch,
+            reasoning_efforts=self.reasoning_efforts,
+            tools=self.supports_tools,
+            bridge=probe.history_close is not None and any(v is None for v in probe.continuations.values()),
+        )
+
+    # ---- rendering --------------------------------------------------------------------------------
+
+    def render(
+        self, messages: Any, tools: Any = None, add_generation_prompt: bool = False, **template_kwargs: Any
+    ) -> RenderedTokens:
+        """As :meth:`Renderer.render`; an empty tool list stays an empty list (templates tell ``[]`` from
+        none: Llama 3.1 announces the ipython environment for ``tools=[]``)."""
+        msgs = normalize_messages(messages)
+        if not msgs:
+            raise MessageError("messages is empty")
+        tool_defs = _tools(tools)
+        with self._kwargs_for_call(self.check_template_kwargs(template_kwargs)):
+            return self._render_tokens(msgs, tool_defs, add_generation_prompt)
+
+    def _text(self, msgs: list[dict], tools: list[dict] | None, agp: bool, defuse: str | None = None) -> str:
+        template = self.template
+        if defuse is not None:  # the template's string tests on message text look for defused markers
+            template = defused_template(template, self._markers, defuse)
+        return template.render(msgs, tools, agp, self.special, **self.template_kwargs)
+
+    def _render_tokens(self, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> RenderedTokens:
+        return encode_pieces(self.tokenizer, self._pieces(msgs, tools, add_generation_prompt))
+
+    def _pieces(self, msgs: list[dict], tools: list[dict] | None, agp: bool, boundaries: bool = True) -> list[Piece]:
+        """The rendered conversation as pieces: special token ids and attributed runs of text."""
+        real = self._text(msgs, tools, agp)
+        specials, content = self._annotate(msgs, tools, agp, real)
+        starts = self._boundaries(msgs, tools, agp, real, specials, content) if boundaries else None
+        return self._assemble(msgs, real, specials, content, starts)
+
+    def _annotate(
+        self, msgs: list[dict], tools: list[dict] | None, agp: bool, real: str
+    ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """The template's special tokens ``(start, end, id)`` and message content spans ``(start, end,
+        message)`` in ``real`` (see the module docstring, step 2)."""
+        added = self._added_re
+        strings = all_strings(msgs, tools)
+        defuse = next((c for c in DEFUSE_CANDIDATES if c not in strings), None)
+        markable = not MARK_RE.search(strings)
+        has_marker = added is not None and added.search(strings) is not None
+        if defuse is None:
+            return self._all_specials(real), []
+        if markable:
+            fields: list[tuple[int, str, str, str]] = []
+            marked_msgs = [
+                mark_message(defused(m, added, defuse) if has_marker else m, i, fields) for i, m in enumerate(msgs)
+            ]
+            if len(fields) > MAX_MARKED:
+                marked_msgs = None
+        if markable and marked_msgs is not None:
+            try:
+                marked_tools = defused(tools, added, defuse) if has_marker else tools
+                text = self._text(marked_msgs, marked_tools, agp, defuse if has_marker else None)
+            except TemplateRejected:
+                text = None
+            if text is not None and MARK_RE.sub("", text).replace(defuse, "") == real:
+                content = content_spans(text, defuse, fields, real)
+                if not has_marker:
+                    return self._all_specials(real), content
+                return self._specials_of_defused(MARK_RE.sub("", text), defuse), content
+        if not has_marker:
+            return self._all_specials(real), []
+        try:
+            text = self._text(defused(msgs, added, defuse), defused(tools, added, defuse), agp, defuse)
+        except TemplateRejected:
+            text = None
+        if text is not None and text.replace(defuse, "") == real:
+            return self._specials_of_defused(text, defuse), []
+        return self._all_specials(real), []  # the template branched on a marker: its own intent
+
+    def _all_specials(self, text: str) -> list[tuple[int, int, int]]:
+        if self._added_re is None:
+            return []
+        ids = self.tokenizer.added_tokens
+        return [(m.start(), m.end(), ids[m.group()]) for m in self._added_re.finditer(text)]
+
+    def _specials_of_defused(self, text: str, defuse: str) -> list[tuple[int, int, int]]:
+        """Added-token strings of a defused render, at their positions once the defuse characters are gone."""
+        out = []
+        removed = 0
+        pos = 0
+        ids = self.tokenizer.added_tokens
+        for m in self._added_re.finditer(text):  # type: ignore[union-attr]
+            removed += text.count(defuse, pos, m.start())
+            pos = m.start()
+            out.append((m.start() - removed, m.end() - removed, ids[m.group()]))
+        return out
+
+    def _boundaries(self, msgs, tools, agp, real, specials, content) -> list[int]:
+        """Where each message's turn starts in ``real``, plus where the last one ends (step 3)."""
+        n = len(msgs)
+        first_content = [None] * n
+        last_content = [None] * n
+        for s, e, i in content:
+            if first_content[i] is None:
+                first_content[i] = s
+            last_content[i] = e
+        special_starts = {s: e for s, e, _ in specials}
+        fast = self._boundaries_by_closers(msgs, tools, real, specials, first_content, last_content)
+        if fast is not None:
+            return fast
+        starts: list[int] = []
+        for i in range(n + 1):
+            if i == n:
+                prefix = self._try_text(msgs, tools, False) if agp else real
+            else:
+                prefix = self._try_text(msgs[:i], tools, False)
+            lo = starts[-1] if starts else 0
+            hi = next((first_content[j] for j in range(i, n) if first_content[j] is not None), len(real))
+            if prefix is None:
+                b = first_content[i] if i < n and first_content[i] is not None else lo
+            else:
+                b = snap(common_prefix(prefix, real), specials, special_starts)
+                if b < len(prefix):
+                    b = past_closing(prefix, real, b, hi, self._added_re)
+            prev_end = max((e for e in last_content[:i] if e is not None), default=0)
+            b = min(max(b, lo, prev_end), max(hi, lo))
+            starts.append(snap(b, specials, special_starts))
+        return starts
+
+    def _boundaries_by_closers(self, msgs, tools, real, specials, first_content, last_content) -> list[int] | None:
+        """Boundaries without prefix renders, where every message's text was found and in order: between
+        the text of message i-1 and that of message i, message i starts after the first turn-closing token
+        (and the whitespace after it), or right where message i-1's text ends when there is none (DeepSeek's
+        user turns have no close). None when that does not apply: the caller renders prefixes instead."""
+        n = len(msgs)
+        if any(f is None for f in first_content) or any(
+            first_content[i] < last_content[i - 1] for i in range(1, n)  # type: ignore[operator]
+        ):
+            return None
+        probe = self.probe
+        added = self.tokenizer.added_tokens
+        closer_ids = {added[t] for t in (*probe.stop_tokens, probe.history_close) if t}
+        head = self._try_text([], tools, False)
+        b0 = common_prefix(head, real) if head is not None else 0
+        starts = [min(snap(b0, specials, {}), first_content[0])]  # type: ignore[type-var]
+        ends = [*first_content[1:], len(real)]
+        special_starts = [s for s, _, _ in specials]
+        for i in range(1, n + 1):
+            lo, hi = last_content[i - 1], ends[i - 1]
+            b = lo
+            k = bisect_left(special_starts, lo)
+            while k < len(specials) and specials[k][1] <= hi:
+                e, tid = specials[k][1], specials[k][2]
+                k += 1
+                if tid in closer_ids:
+                    b = e
+                    nxt = special_starts[k] if k < len(special_starts) else hi
+                    gap = real[e : min(nxt, hi)]
+                    if not gap.strip():
+                        b = e + len(gap)
+                    break
+            starts.append(b)  # type: ignore[arg-type]
+        return starts
+
+    def _try_text(self, msgs: list[dict], tools, agp: bool) -> str | None:
+        try:
+            return self._text(msgs, tools, agp)
+        except TemplateRejected:
+            return None
+
+    def _assemble(self, msgs, real, specials, content, starts, start_at: int = 0) -> list[Piece]:
+        """Pieces of ``real[start_at:]`` (``start_at`` must not fall inside a special token)."""
+        n = len(msgs)
+        cuts = {start_at, len(real)}
+        for s, e, _ in specials:
+            cuts.update((s, e))
+        for s, e, _ in content:
+            cuts.update((s, e))
+        sampled: list[tuple[int, int]] = []
+        if starts is not None:
+            cuts.update(starts)
+            sampled = self._sampled_spans(msgs, real, specials, starts)
+            for s, e in sampled:
+                cuts.update((s, e))
+        order = sorted(c for c in cuts if start_at <= c <= len(real))
+        special_at = {s: (e, tid) for s, e, tid in specials}
+        content_starts = sorted(content)
+        sampled_starts = [s for s, _ in sampled]  # disjoint, in order
+        pieces: list[Piece] = []
+        ci = 0
+        open_content: list[tuple[int, int, int]] = []
+        for a, b in zip(order, order[1:]):
+            msg = -1
+            if starts is not None:
+                k = bisect_right(starts, a) - 1
+                msg = k if 0 <= k < n else -1
+            while ci < len(content_starts) and content_starts[ci][0] <= a:
+                open_content.append(content_starts[ci])
+                ci += 1
+            if open_content:
+                open_content = [c for c in open_content if c[1] > a]
+            is_content = bool(open_content)
+            if is_content:
+                msg = open_content[-1][2]
+            j = bisect_right(sampled_starts, a) - 1
+            is_sampled = j >= 0 and a < sampled[j][1]
+            if a in special_at and special_at[a][0] == b:
+                pieces.append((special_at[a][1], msg, False, is_sampled))
+            else:
+                pieces.append((real[a:b], msg, is_content, is_sampled))
+        return pieces
+
+    def _sampled_spans(self, msgs, real, specials, starts) -> list[tuple[int, int]]:
+        probe = self.probe
+        header = probe.generation_prompt or ""
+        stop_ids = set(self.stop_token_ids)
+        if probe.history_close:  # gpt-oss closes earlier turns with <|end|>, which is no stop token
+            stop_ids.add(self.tokenizer.added_tokens[probe.history_close])
+        out = []
+        special_starts = [s for s, _, _ in specials]
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            a, b = starts[i], starts[i + 1]
+            if a >= b:
+                continue
+            h = snap(a + common_prefix(header, real[a:b]), specials, {}) - a if header else 0
+            lo, hi = bisect_left(special_starts, a), bisect_left(special_starts, b)
+            ends = [e for _s, e, tid in specials[lo:hi] if e <= b and tid in stop_ids]
+            end = ends[-1] if ends else b
+            if a + h < end:
+                out.append((a + h, end))
+        return out
+
+    # ---- bridge -----------------------------------------------------------------------------------
+
+    def _bridge(self, prev_prompt_ids, prev_completion_ids, new_messages, tools) -> Bridged | Break:
+        prefix_len = len(prev_prompt_ids) + len(prev_completion_ids)
+        try:
+            msgs = normalize_messages(new_messages)
+            tool_defs = _tools(tools)
+        except MessageError as exc:
+            return Break(BreakReason.INVALID_MESSAGES, str(exc))
+        if not msgs:
+            return Break(BreakReason.INVALID_MESSAGES, "no new messages to bridge")
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                return Break(
+                    BreakReason.ASSISTANT_IN_NEW_MESSAGES,
+                    f"new message {i} is an assistant message: its tokens were not sampled in this rollout, "
+                    "so they cannot be appended as the model's own",
+                    position=prefix_len,
+                )
+        completion = list(prev_completion_ids)
+        if self.think_ids is not None and self._ends_in_reasoning(prev_prompt_ids, completion):
+            stopped = bool(completion) and completion[-1] in self.stop_token_ids
+            reason = BreakReason.STOP_INSIDE_REASONING if stopped else BreakReason.TRUNCATED_INSIDE_REASONING
+            what = "sampled a stop token" if stopped else "was cut off"
+            return Break(reason, f"the completion {what} inside an unclosed reasoning block", position=prefix_len)
+        probe = self.probe
+        for m in msgs:
+            why = probe.continuations.get(m["role"])
+            if why is not None:
+                reason = BreakReason.TEMPLATE_NOT_APPEND_ONLY
+                if why.startswith("MOVES: "):
+                    why = why[len("MOVES: ") :]
+                    reason = BreakReason.SYSTEM_MESSAGE_MOVES if m["role"] == "system" else reason
+                return Break(reason, f"the generic renderer cannot bridge: {why}", prefix_len)
+        # A completion that stopped on a token the template closes turns with is extended after it (kept
+        # as sampled); anything else (cut off, or another stop id such as an end-of-text) gets the close
+        # the template puts after a reply followed by more messages, synthesized as context.
+        last = completion[-1] if completion else None
+        added = self.tokenizer.added_tokens
+        closing_ids = {added[t] for t in (*probe.stop_tokens, probe.history_close) if t}
+        closing = last not in closing_ids
+        if closing and probe.close_gap:
+            return Break(
+                BreakReason.NO_SPECIAL_TOKEN_ANCHOR,
+                f"the completion ended without a stop token and the template puts {probe.close_gap!r} before its close",
+                prefix_len,
+            )
+        return self._splice(prev_prompt_ids, completion, msgs, tool_defs, closing, prefix_len)
+
+    def _histories(self, completion: list[int]) -> list[list[dict]]:
+        """Sentinel histories ending in an assistant turn shaped like the one just sampled: its tool calls
+        by name (templates render tool results by them) and its reasoning (to see what the template
+        drops). The reply's text is the anchor; a template that refuses text next to reasoning and tool
+        calls (gpt-oss) gets the anchor as the reasoning instead."""
+        parsed = self.parse_response(completion)
+        calls = [
+            {"id": f"call_{i}", "type": "function", "function": {"name": c.name or PROBE_CALL["function"]["name"], "arguments": {}}}
+            for i, c in enumerate(parsed.tool_calls)
+        ]
+        extra: dict[str, Any] = {"tool_calls": calls} if calls else {}
+        user = {"role": "user", "content": SENT_USER}
+        if not parsed.reasoning_content:
+            return [[user, {"role": "assistant", "content": SENT_ASSISTANT, **extra}]]
+        return [
+            [user, {"role": "assistant", "content": SENT_ASSISTANT, "reasoning_content": SENT_USER, **extra}],
+            [user, {"role": "assistant", "reasoning_content": SENT_ASSISTANT, **extra}],
+        ]
+
+    def _splice(self, prompt, completion, msgs, tools, needs_close: bool, prefix_len) -> Bridged | Break:
+        error = None
+        for history in self._histories(completion):
+            conversation = history + msgs
+            try:
+                full = self._text(conversation, tools, True)
+                break
+            except TemplateRejected as exc:
+                error = exc
+        else:
+            return Break(BreakReason.TEMPLATE_ERROR, str(error), prefix_len)
+        specials, content = self._annotate(conversation, tools, True, full)
+        h = len(history)
+        anchor = closers(self.probe, self._added_re)
+        # after the last turn-closing token before the new messages' text: an assistant turn with tool
+        # calls may be several closed messages (gpt-oss renders its text and each call apart)
+        first_new = min((s for s, _e, i in content if i >= h), default=None)
+        cut = splice_point(full, anchor, first_new)
+        if cut is None:
+            return Break(
+                BreakReason.NO_SPECIAL_TOKEN_ANCHOR,
+                "the template puts no turn-closing token after the assistant turn before the new messages",
+                prefix_len,
+            )
+        if self.thinking_retention == "template":
+            brk = self._rewrites_history(history, tools, full, cut, anchor, prefix_len)
+            if brk is not None:
+                return brk
+        # the close the template puts at the splice (gpt-oss: <|call|> after a tool call, else <|end|>)
+        closing = [self._token_ending_at(full, cut, specials)] if needs_close else []
+        for s, _e, i in content:
+            if i >= h and s < cut:
+                role = conversation[i]["role"]
+                reason = BreakReason.SYSTEM_MESSAGE_MOVES if role == "system" else BreakReason.TEMPLATE_NOT_APPEND_ONLY
+                return Break(reason, f"the template renders new message {i - h} ({role}) before the assistant turn's close", 0)
+        starts = self._boundaries(conversation, tools, True, full, specials, content)
+        pieces = self._assemble(conversation, full, specials, content, starts, start_at=cut)
+        tail = [(text, k - h if k >= h else -1, is_content, False) for text, k, is_content, _ in pieces]
+        rendered = encode_pieces(self.tokenizer, tail)
+        n = len(closing)
+        appended = RenderedTokens(
+            token_ids=closing + rendered.token_ids,
+            message_indices=[-1] * n + rendered.message_indices,
+            sampled_mask=[False] * (n + len(rendered)),
+            is_content=[False] * n + rendered.is_content,
+        )
+        return Bridged(token_ids=[*prompt, *completion, *appended.token_ids], prefix_len=prefix_len, appended=appended, synthesized=n)
+
+    def _token_ending_at(self, text: str, end: int, specials: list[tuple[int, int, int]]) -> int:
+        for _s, e, tid in specials:
+            if e == end:
+                return tid
+        return self.tokenizer.added_tokens[self.probe.history_close]  # type: ignore[index]
+
+    def _rewrites_history(self, history, tools, full, cut, anchor, prefix_len) -> Break | None:
+        """``thinking_retention="template"``: would the template render the sampled turn (or the prompt
+        before it) differently once the new messages follow?"""
+        alone = self._try_text(history, tools, False)
+        prompt = self._try_text(history[:-1], tools, True)
+        alone_cut = splice_point(alone, anchor) if alone is not None else None
+        if alone_cut is None or alone[:alone_cut] != full[:cut] or prompt is None or not full.startswith(prompt):
+            # e.g. gpt-oss closes a final reply with <|return|> and the same reply in history with <|end|>
+            return Break(
+                BreakReason.TEMPLATE_REWRITES_HISTORY,
+                "the template renders the sampled assistant turn (or the prompt before it) differently once "
+                "new messages follow",
+                position=prefix_len,
+            )
+        return None
+
+    # ---- parsing ----------------------------------------------------------------------------------
+
+    def parse_response(self, completion_ids, prompt_ids=None, tools=None) -> ParsedResponse:
+        """Parsed by the markers the vocabulary has: a hand-coded family's parser where the vocabulary
+        is that family's (Harmony channels, DeepSeek tool calls), else ``<think>`` / ``<tool_call>``
+        JSON scanning (base class), plain text when the vocabulary has neither."""
+        delegate = _delegate_parser(self.tokenizer)
+        if delegate is not None:
+            return delegate.parse_response(completion_ids, prompt_ids, tools)
+        return super().parse_response(completion_ids, prompt_ids, tools)
+
+    def _parse_call(self, body_ids, span, tool_names):
+        coder = _coder_parser(self.tokenizer)
+        if coder is not None and self.tokenizer.decode(body_ids).lstrip().startswith("<function="):
+            return coder._parse_call(body_ids, span, tool_names)
+        return super()._parse_call(body_ids, span, tool_names)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def _tools(tools: Any) -> list[dict] | None:
+    defs = normalize_tools(tools)
+    return [] if defs is None and tools is not None else defs
+
+
+_DELEGATES: dict[int, tuple[Tokenizer, Any]] = {}
+
+
+def _delegate_parser(tok: Tokenizer) -> Renderer | None:
+    """A hand-coded family's renderer on this tokenizer when the vocabulary is that family's and
+    its format is not the base class's (Harmony channels, DeepSeek tool-call tokens)."""
+    key = id(tok)
+    known = _DELEGATES.get(key)
+    if known is not None and known[0] is tok:  # the entry holds its tokenizer: an id is never reused while cached
+        return known[1]
+    added = tok.added_tokens
+    delegate = None
+    candidates: list[tuple[str, str, str]] = []
+    if "<|channel|>" in added and "<|start|>" in added:
+        candidates.append(("harmony", "HarmonyRenderer", ""))
+    if "<｜tool▁calls▁begin｜>" in added:
+        candidates.append(("deepseek_v3", "DeepSeekR1Renderer" if "<think>" in added else "DeepSeekV3Renderer", ""))
+    for module, cls_name, _ in candidates:
+        try:
+            mod = __import__(f"{__package__}.{module}", fromlist=[cls_name])
+            delegate = getattr(mod, cls_name)(tok)
+            break
+        except Exception:  # the family module is absent or rejects this vocabulary: scan generically
+            delegate = None
+    _DELEGATES[key] = (tok, delegate)
+    return delegate
+
+
+_CODERS: dict[int, tuple[Tokenizer, Any]] = {}
+
+
+def _coder_parser(tok: Tokenizer) -> Renderer | None:
+    """Qwen3-Coder's XML tool-call body parser, for ``<tool_call><function=...>`` bodies."""
+    key = id(tok)
+    known = _CODERS.get(key)
+    if known is None or known[0] is not tok:
+        try:
+            from .qwen3_coder import Qwen3CoderRenderer
+
+            known = _CODERS[key] = (tok, Qwen3CoderRenderer(tok))
+        except Exception:  # the module is absent or rejects this vocabulary: JSON bodies only
+            known = _CODERS[key] = (tok, None)
+    return known[1]
+
