@@ -21,6 +21,7 @@ OUTPUTS_END = "<｜tool▁outputs▁end｜>"
 
 class DeepSeekR1DistillRenderer(Renderer):
     name = "deepseek-r1-distill"
+    history_arguments = "json"  # the template concatenates arguments: a dict is a TypeError
     template_hashes = ("3fed12e2bc6cf968931ae01e6be6551b5a6337e11830c733bd3c97e05aa03db1",)
     turn_close = "<｜end▁of▁sentence｜>"
     think_tokens = ("<think>", "</think>")
