@@ -180,21 +180,10 @@ class Renderer:
     ) -> Bridged | Break:
         # Work on the completion only: nothing here may cost time proportional to the history.
         prefix_len = len(prev_prompt_ids) + len(prev_completion_ids)
-        try:
-            msgs = normalize_messages(new_messages)
-            tool_defs = normalize_tools(tools)
-        except MessageError as exc:
-            return Break(BreakReason.INVALID_MESSAGES, str(exc))
-        if not msgs:
-            return Break(BreakReason.INVALID_MESSAGES, "no new messages to bridge")
-        for i, m in enumerate(msgs):
-            if m["role"] == "assistant":
-                return Break(
-                    BreakReason.ASSISTANT_IN_NEW_MESSAGES,
-                    f"new message {i} is an assistant message: its tokens were not sampled in this rollout, "
-                    "so they cannot be appended as the model's own",
-                    position=prefix_len,
-                )
+        checked = self._new_messages(new_messages, tools, prefix_len)
+        if isinstance(checked, Break):
+            return checked
+        msgs, tool_defs = checked
         completion = list(prev_completion_ids)
         if self.think_ids is not None:
             if self._ends_in_reasoning(prev_prompt_ids, completion):
@@ -228,6 +217,31 @@ class Renderer:
         )
         token_ids = [*prev_prompt_ids, *completion, *appended.token_ids]
         return Bridged(token_ids=token_ids, prefix_len=prefix_len, appended=appended, synthesized=n)
+
+    def _new_messages(
+        self, new_messages: Any, tools: Any, prefix_len: int, keep_empty_tools: bool = False
+    ) -> tuple[list[dict], list[dict] | None] | Break:
+        """The new messages and tools of a bridge, normalized, or the Break that refuses them: invalid
+        input, nothing to bridge, or an assistant message (tokens the model never sampled).
+        ``keep_empty_tools``: ``tools=[]`` stays ``[]`` (some templates render it unlike no tools)."""
+        try:
+            msgs = normalize_messages(new_messages)
+            tool_defs = normalize_tools(tools)
+        except MessageError as exc:
+            return Break(BreakReason.INVALID_MESSAGES, str(exc))
+        if keep_empty_tools and tool_defs is None and tools is not None:
+            tool_defs = []
+        if not msgs:
+            return Break(BreakReason.INVALID_MESSAGES, "no new messages to bridge")
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                return Break(
+                    BreakReason.ASSISTANT_IN_NEW_MESSAGES,
+                    f"new message {i} is an assistant message: its tokens were not sampled in this rollout, "
+                    "so they cannot be appended as the model's own",
+                    position=prefix_len,
+                )
+        return msgs, tool_defs
 
     def _family_break(self, prompt_ids: list[int], completion: list[int], msgs: list[dict]) -> Break | None:
         """Family hook: a Break when, under ``thinking_retention="template"``, the template would

@@ -253,8 +253,10 @@ class GenericRenderer(Renderer):
             out.append((m.start() - removed, m.end() - removed, ids[m.group()]))
         return out
 
-    def _boundaries(self, msgs, tools, agp, real, specials, content) -> list[int]:
-        """Where each message's turn starts in ``real``, plus where the last one ends (step 3)."""
+    def _boundaries(self, msgs, tools, agp, real, specials, content, bridging: bool = False) -> list[int]:
+        """Where each message's turn starts in ``real``, plus where the last one ends (step 3).
+        ``bridging``: only the boundaries after the sentinel history matter (the first message's start,
+        which costs a render of the template's preamble, is not needed)."""
         n = len(msgs)
         first_content = [None] * n
         last_content = [None] * n
@@ -263,7 +265,7 @@ class GenericRenderer(Renderer):
                 first_content[i] = s
             last_content[i] = e
         special_starts = {s: e for s, e, _ in specials}
-        fast = self._boundaries_by_closers(msgs, tools, real, specials, first_content, last_content)
+        fast = self._boundaries_by_closers(msgs, tools, real, specials, first_content, last_content, bridging)
         if fast is not None:
             return fast
         starts: list[int] = []
@@ -285,7 +287,9 @@ class GenericRenderer(Renderer):
             starts.append(snap(b, specials, special_starts))
         return starts
 
-    def _boundaries_by_closers(self, msgs, tools, real, specials, first_content, last_content) -> list[int] | None:
+    def _boundaries_by_closers(
+        self, msgs, tools, real, specials, first_content, last_content, bridging: bool = False
+    ) -> list[int] | None:
         """Boundaries without prefix renders, where every message's text was found and in order: between
         the text of message i-1 and that of message i, message i starts after the first turn-closing token
         (and the whitespace after it), or right where message i-1's text ends when there is none (DeepSeek's
@@ -298,7 +302,7 @@ class GenericRenderer(Renderer):
         probe = self.probe
         added = self.tokenizer.added_tokens
         closer_ids = {added[t] for t in (*probe.stop_tokens, probe.history_close) if t}
-        head = self._try_text([], tools, False)
+        head = None if bridging else self._try_text([], tools, False)
         b0 = common_prefix(head, real) if head is not None else 0
         starts = [min(snap(b0, specials, {}), first_content[0])]  # type: ignore[type-var]
         ends = [*first_content[1:], len(real)]
@@ -394,21 +398,10 @@ class GenericRenderer(Renderer):
 
     def _bridge(self, prev_prompt_ids, prev_completion_ids, new_messages, tools) -> Bridged | Break:
         prefix_len = len(prev_prompt_ids) + len(prev_completion_ids)
-        try:
-            msgs = normalize_messages(new_messages)
-            tool_defs = _tools(tools)
-        except MessageError as exc:
-            return Break(BreakReason.INVALID_MESSAGES, str(exc))
-        if not msgs:
-            return Break(BreakReason.INVALID_MESSAGES, "no new messages to bridge")
-        for i, m in enumerate(msgs):
-            if m["role"] == "assistant":
-                return Break(
-                    BreakReason.ASSISTANT_IN_NEW_MESSAGES,
-                    f"new message {i} is an assistant message: its tokens were not sampled in this rollout, "
-                    "so they cannot be appended as the model's own",
-                    position=prefix_len,
-                )
+        checked = self._new_messages(new_messages, tools, prefix_len, keep_empty_tools=True)
+        if isinstance(checked, Break):
+            return checked
+        msgs, tool_defs = checked
         completion = list(prev_completion_ids)
         if self.think_ids is not None and self._ends_in_reasoning(prev_prompt_ids, completion):
             stopped = bool(completion) and completion[-1] in self.stop_token_ids
@@ -493,7 +486,7 @@ class GenericRenderer(Renderer):
                 role = conversation[i]["role"]
                 reason = BreakReason.SYSTEM_MESSAGE_MOVES if role == "system" else BreakReason.TEMPLATE_NOT_APPEND_ONLY
                 return Break(reason, f"the template renders new message {i - h} ({role}) before the assistant turn's close", 0)
-        starts = self._boundaries(conversation, tools, True, full, specials, content)
+        starts = self._boundaries(conversation, tools, True, full, specials, content, bridging=True)
         pieces = self._assemble(conversation, full, specials, content, starts, start_at=cut)
         tail = [(text, k - h if k >= h else -1, is_content, False) for text, k, is_content, _ in pieces]
         rendered = encode_pieces(self.tokenizer, tail)

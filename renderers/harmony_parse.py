@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import TemplateRejected
-from .messages import MessageError, normalize_messages, normalize_tools
+from .messages import MessageError, normalize_tools
 from .pieces import Pieces
 from .types import Break, BreakReason, Bridged, ParsedResponse, RenderedTokens, ToolCall, ToolCallStatus
 
@@ -207,21 +207,10 @@ class HarmonyParsing:
           wherever the template would re-render the turn differently (see ``_family_break``).
         """
         prefix_len = len(prev_prompt_ids) + len(prev_completion_ids)
-        try:
-            msgs = normalize_messages(new_messages)
-            tool_defs = normalize_tools(tools)
-        except MessageError as exc:
-            return Break(BreakReason.INVALID_MESSAGES, str(exc))
-        if not msgs:
-            return Break(BreakReason.INVALID_MESSAGES, "no new messages to bridge")
-        for i, m in enumerate(msgs):
-            if m["role"] == "assistant":
-                return Break(
-                    BreakReason.ASSISTANT_IN_NEW_MESSAGES,
-                    f"new message {i} is an assistant message: its tokens were not sampled in this rollout, "
-                    "so they cannot be appended as the model's own",
-                    position=prefix_len,
-                )
+        checked = self._new_messages(new_messages, tools, prefix_len)
+        if isinstance(checked, Break):
+            return checked
+        msgs, tool_defs = checked
         completion = list(prev_completion_ids)
         tail = self.open_tail(prev_prompt_ids)
         messages, _, _ = self.scan_messages(tail + completion)

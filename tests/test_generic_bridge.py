@@ -11,21 +11,7 @@ import renderers
 from renderers import Break, BreakReason, Bridged
 
 from .family_checks import Family, check_bridge_contract, sampled_completion
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
-        },
-    }
-]
-
-
-def call(expr: str, i: int = 0) -> dict:
-    return {"id": f"c{i}", "type": "function", "function": {"name": "calculator", "arguments": {"expr": expr}}}
+from .test_bridge import TOOLS, call
 
 
 def plain_chat(system: bool) -> list[dict]:
