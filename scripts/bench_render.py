@@ -3,7 +3,8 @@
     .venv/bin/python scripts/bench_render.py [--fixtures DIR] [--repeats 7] [--write docs/benchmarks.md]
 
 Agent conversations with 1, 10 and 30 tool turns (each: an assistant turn with reasoning and a tool
-call, then a ~150-token tool result) on the Qwen3 tokenizer. For each size it times
+call, then a ~150-token tool result) on the Qwen3 tokenizer, then 10 tool turns on other families
+(Llama 3.1, gpt-oss) and on the Qwen3 template through the generic renderer. For each size it times
 
 - reference: ``apply_chat_template(tokenize=False)`` + ``tokenizer(text, add_special_tokens=False)``
 - tito render, cold: ``Renderer.render`` (ids + attribution) with its encoding caches emptied first
@@ -97,15 +98,18 @@ def measure(r, hf, tok, turns: int, repeats: int, style: str) -> tuple:
     """One row of the table: medians over `repeats` rounds for a conversation of `turns` tool turns."""
     msgs = conversation(turns, tok, style)
     hist, last = msgs[:-1], msgs[-1]
+    template = r.tokenizer.chat_template
     prompt = r.render_ids(hist[:-1], TOOLS, add_generation_prompt=True)
-    completion = r.render_ids(hist, TOOLS)[len(prompt):-1]  # the last assistant turn, up to <|im_end|>
+    turn = r.render_ids(hist, TOOLS)[len(prompt):]
+    completion = turn[: max(i for i, t in enumerate(turn) if t in r.stop_token_ids) + 1]  # through its stop token
     n_tokens = len(r.render_ids(msgs, TOOLS))
-    ref_ids = hf(hf.apply_chat_template(msgs, tools=TOOLS, tokenize=False), add_special_tokens=False)["input_ids"]
-    assert r.render_ids(msgs, TOOLS) == ref_ids, "parity broken: benchmark would be meaningless"
-    assert isinstance(r.bridge(prompt, completion, [last], TOOLS), renderers.Bridged)
 
     def ref():
-        hf(hf.apply_chat_template(msgs, tools=TOOLS, tokenize=False), add_special_tokens=False)
+        return hf(hf.apply_chat_template(msgs, tools=TOOLS, tokenize=False, chat_template=template),
+                  add_special_tokens=False)["input_ids"]
+
+    assert r.render_ids(msgs, TOOLS) == ref(), "parity broken: benchmark would be meaningless"
+    assert isinstance(r.bridge(prompt, completion, [last], TOOLS), renderers.Bridged)
 
     def cold():  # nothing cached: every run of text is encoded
         clear_caches()
@@ -134,6 +138,15 @@ def measure(r, hf, tok, turns: int, repeats: int, style: str) -> tuple:
                  med["encode_only"] * 1e3)
 
 
+# Other families at 10 tool turns: (label, fixture tokenizer, renderer name or None for the hash's choice)
+FAMILIES = (
+    ("qwen3 (hand-coded)", "qwen3-0.6b", None),
+    ("qwen3 template, generic renderer", "qwen3-0.6b", "generic"),
+    ("llama 3.1", "llama-3.1-8b-instruct", None),
+    ("gpt-oss (harmony)", "gpt-oss-20b", None),
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fixtures", default=os.environ.get("TITO_FIXTURES", REPO.parent / "shared" / "fixtures"))
@@ -143,15 +156,23 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    path = Path(args.fixtures) / "tokenizers" / "qwen3-0.6b"
-    hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    tok = renderers.load_tokenizer(path)
+    def load(fixture: str):
+        path = Path(args.fixtures) / "tokenizers" / fixture
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True), renderers.load_tokenizer(path)
+
+    hf, tok = load("qwen3-0.6b")
     r = renderers.create_renderer(tok)
 
     tables = []
     for style, title in (("code", "code and JSON tool results (ASCII)"), ("multilingual", "multilingual tool results")):
         rows = [measure(r, hf, tok, turns, args.repeats, style) for turns in (1, 10, 30)]
         tables.append(f"### {title}\n\n" + format_table(rows))
+    family_rows = []
+    for label, fixture, name in FAMILIES:
+        hf_f, tok_f = load(fixture)
+        r_f = renderers.create_renderer(tok_f, name=name)
+        family_rows.append((label, r_f.name, measure(r_f, hf_f, tok_f, 10, args.repeats, "code")))
+    tables.append("### families, 10 tool turns of code tool results\n\n" + format_family_table(family_rows))
     table = "\n\n".join(tables)
     print(table)
     if args.write:
@@ -170,10 +191,21 @@ def format_table(rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
+def format_family_table(rows: list[tuple]) -> str:
+    lines = [
+        "| template | renderer | tokens | speed-up cold | speed-up warm | bridge (ms) | bridge vs hand-coded qwen3 |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    base = rows[0][2][7]  # the hand-coded Qwen3 bridge
+    for label, name, (_turns, n, _ref, _cold, _warm, r_cold, r_warm, br_ms, _enc) in rows:
+        lines.append(f"| {label} | `{name}` | {n} | {r_cold:.2f}x | {r_warm:.2f}x | {br_ms:.3f} | {br_ms / base:.2f}x |")
+    return "\n".join(lines)
+
+
 def write_section(path: Path, table: str, repeats: int) -> None:
     begin, end = markers("bench_render")
     body = (
-        f"{begin}\n## Render and bridge (Qwen3 tokenizer)\n\n"
+        f"{begin}\n## Render and bridge\n\n"
         f"Command: `.venv/bin/python scripts/bench_render.py --write docs/benchmarks.md`  \n"
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
         f"{time.strftime('%Y-%m-%d')}; median of {repeats} rounds.  \n"
