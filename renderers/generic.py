@@ -452,6 +452,8 @@ class GenericRenderer(Renderer):
         ]
 
     def _splice(self, prompt, completion, msgs, tools, needs_close: bool, prefix_len) -> Bridged | Break:
+        if not self.probe.tools_in_tail:
+            tools = None  # the probe found they only change text before the splice: do not render them
         error = None
         for history in self._histories(completion):
             conversation = history + msgs

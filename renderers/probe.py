@@ -55,6 +55,7 @@ class Probe:
     kwargs: dict[str, type] = field(default_factory=dict)
     continuations: dict[str, str | None] = field(default_factory=dict)  # role -> None if append-only, else why not
     history_arguments: str = "object"  # "json" where the template renders tool-call arguments only as a string
+    tools_in_tail: bool = True  # tool definitions change what follows an assistant turn (else the bridge omits them)
 
 
 def template_kwargs(template: ChatTemplate) -> dict[str, type]:
@@ -157,7 +158,29 @@ def probe_template(template: ChatTemplate, added: re.Pattern | None, special: di
     probe.continuations = {
         role: _continuation(template, probe, role, special, kwargs, added) for role in ("user", "tool", "system")
     }
+    probe.tools_in_tail = _tools_in_tail(template, probe, special, kwargs, added)
     return probe
+
+
+def _tools_in_tail(template: ChatTemplate, probe: Probe, special: dict, kwargs: dict, added: re.Pattern | None) -> bool:
+    """Whether tool definitions change what a template renders after an assistant turn's close. Templates put
+    them in the system preamble or the first user turn; where the text after the close is the same with and
+    without them for every continuation, the bridge renders without them (a large tool list costs every
+    bridge otherwise)."""
+    if probe.history_close is None:
+        return True
+    u = {"role": "user", "content": SENT_USER}
+    for role in ("user", "tool", "system"):
+        call = {"tool_calls": [PROBE_CALL]} if role == "tool" else {}
+        conversation = [u, {"role": "assistant", "content": SENT_ASSISTANT, **call}, {"role": role, "content": SENT_NEW}]
+        tails = []
+        for tools in ([PROBE_TOOL], None):
+            full = _try(template, conversation, tools, True, special, kwargs)
+            cut = None if full is None else splice_point(full, closers(probe, added), full.find(SENT_NEW))
+            tails.append(None if cut is None else full[cut:])
+        if tails[0] != tails[1]:
+            return True
+    return False
 
 
 def _continuation(template: ChatTemplate, probe: Probe, role: str, special: dict, kwargs: dict, added: re.Pattern) -> str | None:
