@@ -113,9 +113,9 @@ class RendererService:
         offset = len(ro.messages)
         ro.messages.extend(new_messages)
         if isinstance(result, Break):
-            self._log_break(rollout_id, next_turn, result)
             brk = {"turn": next_turn, "reason": str(result.reason), "detail": result.detail,
                    "position": result.position}
+            self._log_break(rollout_id, brk)
             ro.breaks.append(brk)
             ro.builder.start_segment(self.renderer.render(ro.messages, ro.tools, add_generation_prompt=True), turn=next_turn)
             ro.weight_versions.append([])
@@ -132,8 +132,9 @@ class RendererService:
         tools, or retried after a failed turn). Nothing is bridged, so no sampled token is rewritten."""
         ro = self.rollouts[rollout_id]
         rendered = self.renderer.render(messages, tools, add_generation_prompt=True)  # may raise: nothing changed
-        self._log_break(rollout_id, turn, Break(reason, detail))  # type: ignore[arg-type]  # a session-level reason
-        ro.breaks.append({"turn": turn, "reason": str(reason), "detail": detail, "position": None})
+        brk = {"turn": turn, "reason": str(reason), "detail": detail, "position": None}  # a session-level reason
+        self._log_break(rollout_id, brk)
+        ro.breaks.append(brk)
         ro.messages, ro.tools = list(messages), tools
         ro.builder.start_segment(rendered, turn=turn)
         ro.weight_versions.append([])
@@ -198,13 +199,13 @@ class RendererService:
         return {"files": files, "break_counts": dict(self.break_counts), "turns_bridged": self.turns_bridged,
                 "cpu_s": time.process_time() - self._cpu_start}
 
-    def _log_break(self, rollout_id: str, turn: int, brk: Break) -> None:
+    def _log_break(self, rollout_id: str, brk: dict[str, Any]) -> None:
+        """Count a break by reason and append it to breaks.jsonl: ``brk`` holds turn, reason, detail, position."""
         with self._lock:
-            self.break_counts[str(brk.reason)] += 1
+            self.break_counts[brk["reason"]] += 1
         if self._breaks_path is None:
             return
-        line = json.dumps({"rollout_id": rollout_id, "turn": turn, "reason": str(brk.reason), "detail": brk.detail,
-                           "position": brk.position}, ensure_ascii=False) + "\n"
+        line = json.dumps({"rollout_id": rollout_id, **brk}, ensure_ascii=False) + "\n"
         # O_APPEND: whole-line appends from several renderer actors do not interleave
         fd = os.open(self._breaks_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
