@@ -29,7 +29,7 @@ from .scoring import require_answer, score_final_answer
 class PythonOptions(EnvOptions):
     timeout_s: float = pydantic.Field(10.0, gt=0.0, le=600.0, description="wall-clock limit per run")
     memory_mb: int = pydantic.Field(512, ge=64, description="address-space limit (RLIMIT_AS) per run")
-    cpu_s: int | None = pydantic.Field(None, ge=1, description="CPU-seconds limit; default: the timeout rounded up")
+    cpu_s: int | None = pydantic.Field(None, ge=1, description="CPU-seconds limit; default: the timeout rounded up, plus one second")
     max_output_bytes: int = pydantic.Field(4096, ge=64, description="stdout and stderr are each cut to this")
     max_file_mb: int = pydantic.Field(16, ge=0, description="largest file the code may write (RLIMIT_FSIZE)")
     max_code_chars: int = pydantic.Field(20000, ge=1, description="longer code is refused with an error message")

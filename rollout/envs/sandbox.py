@@ -195,12 +195,15 @@ async def run_python(
 ) -> SandboxResult:
     """Run ``code`` in a sandboxed subprocess (see the module docstring) and return what it printed.
 
-    ``cpu_s`` defaults to the timeout rounded up. Never raises for anything the code does (a crash, a
+    ``cpu_s`` defaults to the timeout rounded up, plus one second: a single-threaded busy loop burns CPU
+    time as fast as wall time, and at an equal limit SIGXCPU raced the wall-clock timeout, so a timed-out
+    run was sometimes reported as a CPU kill. The CPU limit stays the backstop for code that burns CPU on
+    several threads faster than the clock runs. Never raises for anything the code does (a crash, a
     timeout, a limit hit: all are in the result); raises :class:`SandboxUnavailable` when ``network`` is
     ``"isolated"`` and no network namespace can be created, and :class:`OSError` when the interpreter
     cannot be started.
     """
-    cpu = cpu_s if cpu_s is not None else max(1, int(-(-timeout_s // 1)))
+    cpu = cpu_s if cpu_s is not None else max(1, int(-(-timeout_s // 1))) + 1
     start = time.monotonic()
     # ignore_cleanup_errors: a process that escaped the kill may still be writing in the directory
     with tempfile.TemporaryDirectory(prefix="tito-sandbox-", ignore_cleanup_errors=True) as workdir:
