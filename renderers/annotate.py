@@ -16,22 +16,10 @@ import re
 from bisect import bisect_right
 from typing import Any
 
-from .tokenizer import Tokenizer
-
 DEFUSE_CANDIDATES = ("\U0010fffd", "\U0010fffc", "\U0010fffb")
 MARK_BASE = 0xF0000  # message i: open chr(MARK_BASE + 2i), close chr(MARK_BASE + 2i + 1)
 MAX_MARKED = 0x3F80  # text fields that can be marked (the marks stay below the probe's sentinels)
 MARK_RE = re.compile("[\U000f0000-\U000f7eff]")
-def marker_tokens(tok: Tokenizer) -> dict[str, int]:
-    """The added tokens that are markers: all of them, except in a vocabulary that also has added tokens
-    for ordinary text (one made of whitespace or ``▁`` only); there, the control tokens (``special``)."""
-    decoder = tok.backend.get_added_tokens_decoder()
-    text_level = any(not t.special and t.content and not t.content.replace("▁", " ").strip() for t in decoder.values())
-    if not text_level:
-        return dict(tok.added_tokens)
-    return {t.content: i for i, t in decoder.items() if t.special}
-
-
 def added_regex(markers: dict[str, int]) -> re.Pattern | None:
     ordered = sorted(markers, key=len, reverse=True)
     return re.compile("|".join(re.escape(t) for t in ordered)) if ordered else None

@@ -18,17 +18,12 @@ that are ordinary text to the model: newline, tab and ``▁`` runs, HTML tags (`
 text must be too, or ``<b>`` in a user message would not be the token the model knows. Only the
 *control* tokens (``special: true``: ``<bos>``, ``<start_of_turn>``, ``<end_of_turn>``, ``<eos>``,
 image tokens, ...) stay ordinary text inside a message, which is what keeps a quoted
-``<start_of_turn>`` from forging a turn. :func:`text_token_view` builds that encoding.
+``<start_of_turn>`` from forging a turn. :attr:`renderers.Tokenizer.text_view` is that encoding.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import re
 from typing import Any
-
-from tokenizers import Tokenizer as BackendTokenizer
 
 from .base import Renderer, TemplateRejected
 from .pieces import Pieces
@@ -36,47 +31,6 @@ from .tokenizer import Tokenizer
 from .types import Break, BreakReason
 
 ALTERNATION_ERROR = "Conversation roles must alternate user/assistant/user/assistant/..."
-
-# backend id -> (backend, plain backend that keeps the non-special added tokens): building one costs
-# seconds. tokenizer id -> (tokenizer, its view): one view per tokenizer, because the encoding caches in
-# pieces.py are keyed by id(tokenizer). Both hold their key object so that its id is never reused; a
-# process loads few tokenizers.
-_TEXT_BACKENDS: dict[int, tuple[BackendTokenizer, BackendTokenizer]] = {}
-_VIEWS: dict[int, tuple[Tokenizer, Tokenizer]] = {}
-
-
-def control_tokens(tok: Tokenizer) -> dict[str, int]:
-    """The added tokens flagged ``special`` (``skip_special_tokens`` drops them): the template's markers."""
-    return {t.content: i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
-
-
-def text_token_view(tok: Tokenizer) -> Tokenizer:
-    """``tok`` with "message text" meaning what it means to a Gemma model: text is split on the
-    non-special added tokens exactly as transformers does, never on control tokens.
-
-    Plain runs are encoded by a backend that keeps only the non-special added tokens, and scaffold
-    text is split on control tokens only, so a ``"\\n"`` of the template and the message text next to
-    it form one run, as in the reference (``"\\n" + "\\n..."`` is the added token ``"\\n\\n"``). The view
-    shares everything else with ``tok`` (ids, decoding, the chat template and its hash).
-    """
-    known = _VIEWS.get(id(tok))
-    if known is not None and known[0] is tok:
-        return known[1]
-    controls = control_tokens(tok)
-    entry = _TEXT_BACKENDS.get(id(tok.backend))
-    if entry is None or entry[0] is not tok.backend:
-        config = json.loads(tok.backend.to_str())
-        config["added_tokens"] = [t for t in config["added_tokens"] if t["content"] not in controls]
-        entry = _TEXT_BACKENDS[id(tok.backend)] = (tok.backend, BackendTokenizer.from_str(json.dumps(config)))
-    view = copy.copy(tok)
-    # The Tokenizer class has no public hook for this; these three attributes are its plain encoder.
-    view._plain = entry[1]
-    view._words = None  # the ASCII fast path is for byte-level BPE; Gemma's BPE is not one
-    ordered = sorted(controls, key=len, reverse=True)  # longest first, as the tokenizer matches
-    view._added_re = re.compile("|".join(re.escape(t) for t in ordered)) if ordered else None
-    _VIEWS[id(tok)] = (tok, view)
-    return view
-
 
 def _content(m: dict) -> str:
     """``message['content'] | trim``; no content at all is Jinja's undefined, which the template's
@@ -95,7 +49,7 @@ class Gemma3Renderer(Renderer):
     extra_stop_tokens = ("<eos>",)
 
     def __init__(self, tokenizer: Tokenizer, *, thinking_retention: str = "keep", **template_kwargs: Any) -> None:
-        super().__init__(text_token_view(tokenizer), thinking_retention=thinking_retention, **template_kwargs)
+        super().__init__(tokenizer.text_view, thinking_retention=thinking_retention, **template_kwargs)
         self.start_of_turn_id = self.tokenizer.token_id("<start_of_turn>")
 
     def _render(self, p, msgs, tools, add_generation_prompt):

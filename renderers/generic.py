@@ -43,7 +43,6 @@ from .annotate import (
     content_spans,
     defused,
     mark_message,
-    marker_tokens,
     past_closing,
     snap,
 )
@@ -73,14 +72,10 @@ class GenericRenderer(Renderer):
             raise ValueError(f"thinking_retention must be one of {THINKING_RETENTION}, got {thinking_retention!r}")
         if tokenizer.chat_template is None:
             raise ValueError(f"{tokenizer.name_or_path} has no chat template for the generic renderer to render")
-        markers = marker_tokens(tokenizer)
-        if len(markers) < len(tokenizer.added_tokens):
-            # A vocabulary with added tokens for ordinary text (SentencePiece user-defined symbols: Gemma's
-            # newline and space runs, HTML tags): message text is split on them as transformers does; only
-            # the control tokens stay text inside a message.
-            from .gemma3 import text_token_view
-
-            tokenizer = text_token_view(tokenizer)
+        markers = tokenizer.markers
+        # A vocabulary with added tokens for ordinary text (Gemma's newline and space runs, HTML tags):
+        # message text is split on them as transformers does; only the markers stay text inside a message.
+        tokenizer = tokenizer.text_view
         self.tokenizer = tokenizer
         self.thinking_retention = thinking_retention
         self.template = compile_template(tokenizer.chat_template)

@@ -75,6 +75,7 @@ class Tokenizer:
         shipped apart from its tokenizer, or a local variant of a model's template."""
         other = copy.copy(self)
         other.__dict__.pop("template_sha256", None)
+        other.__dict__.pop("text_view", None)
         other.chat_template = chat_template
         other.name_or_path = name_or_path or self.name_or_path
         return other
@@ -128,6 +129,40 @@ class Tokenizer:
                 out[i] = (enc.ids, [end for _, end in enc.offsets])
         return out
 
+    @cached_property
+    def markers(self) -> dict[str, int]:
+        """The added tokens that structure a conversation, which message text must never produce: all of
+        them, except in a vocabulary that also has added tokens for ordinary text (SentencePiece
+        user-defined symbols made of whitespace or ``▁`` only, as in Gemma's newline and space runs,
+        next to its HTML tags); there, only the control tokens (flagged ``special``)."""
+        decoder = self.backend.get_added_tokens_decoder()
+        text_level = any(not t.special and t.content and not t.content.replace("▁", " ").strip() for t in decoder.values())
+        if not text_level:
+            return dict(self.added_tokens)
+        return {t.content: i for i, t in decoder.items() if t.special}
+
+    @cached_property
+    def text_view(self) -> Tokenizer:
+        """This tokenizer with "message text" meaning what it means to the model: where some added tokens
+        are ordinary text (see :attr:`markers`), plain text is split on them exactly as transformers does,
+        and only the markers are refused; elsewhere ``self``. The view shares ids, decoding and the chat
+        template. Plain runs are encoded by a backend that keeps the non-marker added tokens, and scaffold
+        text is split on markers only, so a template's ``"\n"`` and the message text next to it form one
+        run, as in the reference (``"\n" + "\n..."`` is Gemma's added token ``"\n\n"``)."""
+        markers = self.markers
+        if len(markers) == len(self.added_tokens):
+            return self
+        config = json.loads(self.backend.to_str())
+        config["added_tokens"] = [t for t in config["added_tokens"] if t["content"] not in markers]
+        view = copy.copy(self)
+        view.__dict__.pop("text_view", None)
+        view._plain = _text_backend(self.backend, config)
+        view._words = None  # the ASCII fast path is for byte-level BPE without text-level added tokens
+        ordered = sorted(markers, key=len, reverse=True)  # longest first, as the tokenizer matches
+        view._added_re = re.compile("|".join(re.escape(t) for t in ordered)) if ordered else None
+        view.text_view = view
+        return view
+
     def split_added(self, text: str) -> list[str | int]:
         """Split scaffold text on added-token strings: text runs stay str, added tokens become ids."""
         if self._added_re is None:
@@ -148,6 +183,19 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name_or_path!r}, vocab={self.vocab_size}, template={self.template_sha256 and self.template_sha256[:16]})"
+
+
+# backend id -> (backend, plain backend keeping the text-level added tokens): building one takes seconds
+# (Gemma), and a template variant (with_chat_template) shares its backend. The entry holds its backend so
+# that the id is never reused.
+_TEXT_BACKENDS: dict[int, tuple[BackendTokenizer, BackendTokenizer]] = {}
+
+
+def _text_backend(backend: BackendTokenizer, config: dict) -> BackendTokenizer:
+    entry = _TEXT_BACKENDS.get(id(backend))
+    if entry is None or entry[0] is not backend:
+        entry = _TEXT_BACKENDS[id(backend)] = (backend, BackendTokenizer.from_str(json.dumps(config)))
+    return entry[1]
 
 
 def _from_transformers(hf, name_or_path: str, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:

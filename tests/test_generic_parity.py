@@ -149,15 +149,13 @@ def test_generic_parity_gemma3(tokenizers) -> None:
     markers are the control tokens only (see tests/test_family_gemma3.py)."""
     import dataclasses
 
-    from renderers.gemma3 import control_tokens
-
     from .convgen import marker_regex
     from .test_family_gemma3 import gemma_conversations
     from .test_parity import compare, defuse_template, make_ctx
 
     ctx = make_ctx(Case("gemma-3-generic", "gemma-3-it", seed=0, renderer_name="generic"), tokenizers)
     assert ctx.renderer.name == "generic"
-    markers = control_tokens(ctx.pair.ours)
+    markers = ctx.pair.ours.markers
     ctx = dataclasses.replace(
         ctx, pattern=marker_regex(markers), special_ids=frozenset(markers.values()),
         defused_template=defuse_template(ctx.template, markers),

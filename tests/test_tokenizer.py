@@ -101,3 +101,13 @@ def test_create_renderer_errors():
         renderers.create_renderer(tok, enable_thinking="no")
     with pytest.raises(ValueError, match="thinking_retention"):
         renderers.create_renderer(tok, thinking_retention="sometimes")
+
+
+def test_markers_and_text_view_of_a_vocabulary_without_text_level_added_tokens():
+    from ._support import ours
+
+    tok = ours("qwen3-0.6b")
+    assert tok.markers == tok.added_tokens and "<think>" in tok.markers  # <think> is not flagged special
+    assert tok.text_view is tok
+    other = tok.with_chat_template("{{ messages }}")
+    assert other.text_view is other and other.markers == tok.markers
