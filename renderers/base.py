@@ -351,7 +351,13 @@ def parse_json_call(raw: str, span: tuple[int, int], tool_names: set[str] | None
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "no string 'name' field")
-    args = obj.get("arguments", obj.get("parameters", {}))
+    return checked_call(name, obj.get("arguments", obj.get("parameters", {})), span, raw, tool_names)
+
+
+def checked_call(name: str, args: Any, span: tuple[int, int], raw: str, tool_names: set[str] | None) -> ToolCall:
+    """A named call's decoded arguments, checked: arguments that arrive double-encoded (a JSON string
+    holding an object, a failure mode of real models) are decoded once; anything else that is not an
+    object is ``invalid_arguments``; a name not among ``tool_names`` is ``unknown_tool``."""
     if isinstance(args, str):
         try:
             decoded = json.loads(args)
@@ -360,14 +366,8 @@ def parse_json_call(raw: str, span: tuple[int, int], tool_names: set[str] | None
         if isinstance(decoded, dict):
             args = decoded
     if not isinstance(args, dict):
-        return ToolCall(
-            name,
-            None,
-            ToolCallStatus.INVALID_ARGUMENTS,
-            span,
-            raw,
-            f"arguments must be an object, got {type(args).__name__}",
-        )
+        error = f"arguments must be an object, got {type(args).__name__}"
+        return ToolCall(name, None, ToolCallStatus.INVALID_ARGUMENTS, span, raw, error)
     if tool_names is not None and name not in tool_names:
         return ToolCall(name, args, ToolCallStatus.UNKNOWN_TOOL, span, raw, f"no tool named {name!r} was offered")
     return ToolCall(name, args, ToolCallStatus.OK, span, raw)

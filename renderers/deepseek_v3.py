@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .base import Renderer, TemplateRejected, _tool_names
+from .base import Renderer, TemplateRejected, _tool_names, checked_call
 from .deepseek_r1_distill import OUTPUT_BEGIN, OUTPUT_END, OUTPUTS_BEGIN, OUTPUTS_END
 from .messages import normalize_tools
 from .pieces import Pieces
@@ -266,19 +266,7 @@ class _DeepSeekBase(Renderer):
             args = json.loads(args_text)
         except ValueError as exc:
             return ToolCall(name, None, ToolCallStatus.INVALID_JSON, span, raw, f"arguments are not JSON: {exc}")
-        if isinstance(args, str):  # double-encoded: a JSON string holding an object (a real failure mode)
-            try:
-                decoded = json.loads(args)
-            except ValueError:
-                decoded = None
-            if isinstance(decoded, dict):
-                args = decoded
-        if not isinstance(args, dict):
-            error = f"arguments must be an object, got {type(args).__name__}"
-            return ToolCall(name, None, ToolCallStatus.INVALID_ARGUMENTS, span, raw, error)
-        if tool_names is not None and name not in tool_names:
-            return ToolCall(name, args, ToolCallStatus.UNKNOWN_TOOL, span, raw, f"no tool named {name!r} was offered")
-        return ToolCall(name, args, ToolCallStatus.OK, span, raw)
+        return checked_call(name, args, span, raw, tool_names)
 
 
 class DeepSeekV3Renderer(_DeepSeekBase):

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import TemplateRejected
+from .base import TemplateRejected, checked_call
 from .messages import MessageError, normalize_tools
 from .pieces import Pieces
 from .types import Break, BreakReason, Bridged, ParsedResponse, RenderedTokens, ToolCall, ToolCallStatus
@@ -363,20 +363,4 @@ def _harmony_call(
         args = json.loads(body)
     except ValueError as exc:
         return ToolCall(name, None, ToolCallStatus.INVALID_JSON, span, body, f"arguments are not JSON: {exc}")
-    if isinstance(args, str):  # double-encoded: a JSON string holding the object
-        try:
-            args = json.loads(args)
-        except ValueError:
-            pass
-    if not isinstance(args, dict):
-        return ToolCall(
-            name,
-            None,
-            ToolCallStatus.INVALID_ARGUMENTS,
-            span,
-            body,
-            f"arguments must be an object, got {type(args).__name__}",
-        )
-    if tool_names is not None and name not in tool_names:
-        return ToolCall(name, args, ToolCallStatus.UNKNOWN_TOOL, span, body, f"no tool named {name!r} was offered")
-    return ToolCall(name, args, ToolCallStatus.OK, span, body)
+    return checked_call(name, args, span, body, tool_names)
