@@ -28,7 +28,7 @@ from renderers import Break, BreakReason, Bridged, MessageError, TemplateRejecte
 
 from .convgen import Conversation, ConvGen, contains_marker, defuse, generate, marker_regex
 from .family_checks import Family, check_bridge_contract, check_parse_fuzz, check_round_trip
-from .test_parity import EDGE_CASES, MAX_REPORTED_FAILURES, N_CONVERSATIONS, Case, compare, defuse_template, make_ctx
+from .test_parity import EDGE_CASES, N_CONVERSATIONS, Case, compare_all, defuse_template, make_ctx
 
 FIXTURE = "gemma-3-it"
 FAMILY = Family("gemma3", FIXTURE)
@@ -156,20 +156,7 @@ def gemma_ctx(tokenizers):
 
 
 def run_parity(ctx, convs: list[Conversation]) -> dict[bool, Counter]:
-    counts: dict[bool, Counter] = {False: Counter(), True: Counter()}
-    failures = []
-    for conv in convs:
-        for agp in (False, True):
-            category, failure = compare(ctx, conv, agp)
-            counts[agp][category] += 1
-            if failure is not None:
-                failures.append(failure)
-    summary = ", ".join(f"agp={agp}: {dict(sorted(c.items()))}" for agp, c in counts.items())
-    print(f"[gemma3] {summary}")
-    if failures:
-        shown = "\n\n".join(failures[:MAX_REPORTED_FAILURES])
-        pytest.fail(f"{len(failures)} of {2 * len(convs)} renders differ from transformers ({summary}):\n\n{shown}", pytrace=False)
-    return counts
+    return compare_all(ctx, convs, "gemma3")
 
 
 def test_template_hash_selects_gemma3(gemma):

@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections import Counter
 from typing import Any
 
 import jinja2
@@ -29,7 +28,7 @@ from ._support import reference
 from .conftest import TokenizerStore
 from .convgen import Conversation, ConvGen, contains_marker, generate, marker_regex
 from .family_checks import Family, check_bridge_contract, check_marker_injection, check_parse_fuzz, check_round_trip
-from .test_parity import MAX_REPORTED_FAILURES, MIN_EXACT, N_CONVERSATIONS, Case, Ctx, compare, make_ctx
+from .test_parity import MIN_EXACT, N_CONVERSATIONS, Case, Ctx, check_parity, make_ctx
 
 GPT_OSS = "gpt-oss-20b"
 TEMPLATE_SHA256 = "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146"
@@ -83,28 +82,7 @@ def check_parity_thinking(case: Case, tokenizers: TokenizerStore, convs: list[Co
     """``tests.test_parity.check_parity`` with the ``thinking`` reference (see the module docstring)."""
     base = make_ctx(case, tokenizers)
     ctx = HarmonyCtx(**{f.name: getattr(base, f.name) for f in dataclasses.fields(Ctx)})
-    counts: dict[bool, Counter] = {False: Counter(), True: Counter()}
-    failures = []
-    for conv in convs:
-        for agp in (False, True):
-            category, failure = compare(ctx, conv, agp)
-            counts[agp][category] += 1
-            if failure is not None:
-                failures.append(failure)
-    summary = ", ".join(f"agp={agp}: {dict(sorted(c.items()))}" for agp, c in counts.items())
-    print(f"[{case.id}] {summary}")
-    if failures:
-        shown = "\n\n".join(failures[:MAX_REPORTED_FAILURES])
-        pytest.fail(
-            f"{len(failures)} of {2 * len(convs)} renders differ from transformers ({summary}):\n\n{shown}",
-            pytrace=False,
-        )
-    for agp, c in counts.items():
-        assert c["exact"] >= MIN_EXACT, f"only {c['exact']} exact comparisons with agp={agp} ({summary})"
-    total = counts[False] + counts[True]
-    assert total["marker"] >= case.min_marker, f"too few marker-mode comparisons ({summary})"
-    assert total["rejected"] >= case.min_rejected, f"too few rejected conversations ({summary})"
-    return counts
+    return check_parity(case, tokenizers, convs, ctx=ctx)
 
 
 # ---- the family's own conversations ------------------------------------------------------------

@@ -214,25 +214,39 @@ def compare(ctx: Ctx, conv: Conversation, agp: bool) -> tuple[str, str | None]:
 # ---- the parity tests --------------------------------------------------------------------------
 
 
-def check_parity(case: Case, tokenizers: TokenizerStore, convs: list[Conversation], min_exact: int = MIN_EXACT) -> dict:
+def summarize(counts: dict[bool, Counter]) -> str:
+    return ", ".join(f"agp={agp}: {dict(sorted(c.items()))}" for agp, c in counts.items())
+
+
+def compare_all(ctx: Ctx, convs: list[Conversation], label: str) -> dict[bool, Counter]:
     """Compare every conversation with and without a generation prompt; fail with the first few
-    differences. Family test modules call this with the shared generator's conversations plus their own.
-    Returns the counts per ``add_generation_prompt``."""
-    ctx = make_ctx(case, tokenizers)
+    differences. Returns the counts per category and ``add_generation_prompt``."""
     counts: dict[bool, Counter] = {False: Counter(), True: Counter()}
     failures: list[str] = []
     for conv in convs:
-        assert DEFUSE_CHAR not in "".join(_strings(conv)), "the generator must never emit DEFUSE_CHAR"
         for agp in (False, True):
             category, failure = compare(ctx, conv, agp)
             counts[agp][category] += 1
             if failure is not None:
                 failures.append(failure)
-    summary = ", ".join(f"agp={agp}: {dict(sorted(c.items()))}" for agp, c in counts.items())
-    print(f"[{case.id}] {summary}")
+    summary = summarize(counts)
+    print(f"[{label}] {summary}")
     if failures:
         shown = "\n\n".join(failures[:MAX_REPORTED_FAILURES])
         pytest.fail(f"{len(failures)} of {2 * len(convs)} renders differ from transformers ({summary}):\n\n{shown}", pytrace=False)
+    return counts
+
+
+def check_parity(
+    case: Case, tokenizers: TokenizerStore, convs: list[Conversation], min_exact: int = MIN_EXACT, ctx: Ctx | None = None
+) -> dict:
+    """:func:`compare_all`, then the case's minimum counts of exact, marker-mode and rejected renders.
+    Family test modules call this with the shared generator's conversations plus their own; ``ctx``
+    replaces the default comparison context (a family whose reference needs another input shape)."""
+    for conv in convs:
+        assert DEFUSE_CHAR not in "".join(_strings(conv)), "the generator must never emit DEFUSE_CHAR"
+    counts = compare_all(ctx or make_ctx(case, tokenizers), convs, case.id)
+    summary = summarize(counts)
     for agp, c in counts.items():
         assert c["exact"] >= min_exact, f"only {c['exact']} exact comparisons with agp={agp}: the generator drifted ({summary})"
     total = counts[False] + counts[True]
