@@ -207,16 +207,7 @@ class Renderer:
             self._continue(p, msgs, tool_defs)
         except ValueError as exc:
             return Break(BreakReason.TEMPLATE_ERROR, str(exc), prefix_len)
-        tail = p.encode()
-        n = len(closing)
-        appended = RenderedTokens(
-            token_ids=closing + tail.token_ids,
-            message_indices=[-1] * n + tail.message_indices,
-            sampled_mask=[False] * n + tail.sampled_mask,
-            is_content=[False] * n + tail.is_content,
-        )
-        token_ids = [*prev_prompt_ids, *completion, *appended.token_ids]
-        return Bridged(token_ids=token_ids, prefix_len=prefix_len, appended=appended, synthesized=n)
+        return bridged(prev_prompt_ids, completion, closing, p.encode())
 
     def _new_messages(
         self, new_messages: Any, tools: Any, prefix_len: int, keep_empty_tools: bool = False
@@ -325,6 +316,20 @@ class Renderer:
 
     def _parse_call(self, body_ids: list[int], span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
         return parse_json_call(self.tokenizer.decode(body_ids), span, tool_names)
+
+
+def bridged(prompt: list[int], completion: list[int], closing: list[int], tail: RenderedTokens) -> Bridged:
+    """The bridge's result: prompt + completion, then ``closing`` (a turn close synthesized for a
+    truncated completion: context, attributed to no message) and the rendered ``tail``."""
+    n = len(closing)
+    appended = RenderedTokens(
+        token_ids=closing + tail.token_ids,
+        message_indices=[-1] * n + tail.message_indices,
+        sampled_mask=[False] * n + tail.sampled_mask,
+        is_content=[False] * n + tail.is_content,
+    )
+    return Bridged(token_ids=[*prompt, *completion, *appended.token_ids], prefix_len=len(prompt) + len(completion),
+                   appended=appended, synthesized=n)
 
 
 def _tool_names(tools: list[dict] | None) -> set[str] | None:

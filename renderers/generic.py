@@ -46,7 +46,7 @@ from .annotate import (
     past_closing,
     snap,
 )
-from .base import THINKING_RETENTION, Renderer, TemplateRejected
+from .base import THINKING_RETENTION, Renderer, TemplateRejected, bridged
 from .messages import MessageError, normalize_messages, normalize_tools
 from .pieces import Piece, encode_pieces
 from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, Probe, closers, probe_template, splice_point
@@ -487,14 +487,7 @@ class GenericRenderer(Renderer):
         pieces = self._assemble(conversation, full, specials, content, starts, start_at=cut)
         tail = [(text, k - h if k >= h else -1, is_content, False) for text, k, is_content, _ in pieces]
         rendered = encode_pieces(self.tokenizer, tail)
-        n = len(closing)
-        appended = RenderedTokens(
-            token_ids=closing + rendered.token_ids,
-            message_indices=[-1] * n + rendered.message_indices,
-            sampled_mask=[False] * (n + len(rendered)),
-            is_content=[False] * n + rendered.is_content,
-        )
-        return Bridged(token_ids=[*prompt, *completion, *appended.token_ids], prefix_len=prefix_len, appended=appended, synthesized=n)
+        return bridged(prompt, completion, closing, rendered)  # the tail's pieces are all unsampled
 
     def _token_ending_at(self, text: str, end: int, specials: list[tuple[int, int, int]]) -> int:
         for _s, e, tid in specials:

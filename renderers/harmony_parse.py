@@ -19,10 +19,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import TemplateRejected, checked_call
+from .base import TemplateRejected, bridged, checked_call
 from .messages import MessageError, normalize_tools
 from .pieces import Pieces
-from .types import Break, BreakReason, Bridged, ParsedResponse, RenderedTokens, ToolCall, ToolCallStatus
+from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCall, ToolCallStatus
 
 _RECIPIENT = re.compile(r"(?:^|\s)to=(\S*)")
 FUNCTIONS_PREFIX = "functions."
@@ -238,16 +238,7 @@ class HarmonyParsing:
             return Break(BreakReason.TEMPLATE_ERROR, str(exc), prefix_len)
         finally:
             self._bridge_call_name = None
-        tail_tokens = p.encode()
-        n = len(closing)
-        appended = RenderedTokens(
-            token_ids=closing + tail_tokens.token_ids,
-            message_indices=[-1] * n + tail_tokens.message_indices,
-            sampled_mask=[False] * n + tail_tokens.sampled_mask,
-            is_content=[False] * n + tail_tokens.is_content,
-        )
-        token_ids = [*prev_prompt_ids, *completion, *appended.token_ids]
-        return Bridged(token_ids=token_ids, prefix_len=prefix_len, appended=appended, synthesized=n)
+        return bridged(prev_prompt_ids, completion, closing, p.encode())
 
     def _closing(self, messages: list[HarmonyMessage], tail: list[int], completion: list[int]) -> list[int]:
         """The close to synthesize after a completion that did not end on one (nothing when the last
