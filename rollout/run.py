@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import RunConfig
-from .loop import RolloutDriver, RolloutOutcome
+from .loop import RolloutDriver
+from .progress import Progress, ready_line, startup_line
 from .shards import write_manifest
 
 
@@ -57,34 +58,6 @@ def done_rollouts(out_dir: Path) -> set[str]:
     return set(open_shards(out_dir).to_table(columns=["rollout_id"])["rollout_id"].to_pylist())
 
 
-class Progress:
-    """A one-line progress display: rollouts done / total, tokens/s, break rate, mean reward."""
-
-    def __init__(self, total: int, enabled: bool = True, stream=None) -> None:
-        self.total, self.done, self.tokens, self.reward_sum, self.turns, self.errors = total, 0, 0, 0.0, 0, 0
-        self.start = time.perf_counter()
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.driver: RolloutDriver | None = None  # set once the driver exists: it counts the breaks
-
-    def __call__(self, o: RolloutOutcome) -> None:
-        self.done += 1
-        self.tokens += o.completion_tokens
-        self.turns += o.turns
-        self.reward_sum += o.reward
-        self.errors += o.error is not None
-        if self.enabled:
-            self.stream.write("\r" + self.line())
-            self.stream.flush()
-
-    def line(self) -> str:
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-        breaks = self.driver.breaks if self.driver is not None else 0
-        break_rate = breaks / self.turns if self.turns else 0.0
-        return (f" rollouts {self.done}/{self.total}  {rate:,.0f} tok/s  break rate {break_rate:.3f}  "
-                f"mean reward {self.reward_sum / max(self.done, 1):.3f}  errors {self.errors}   ")
-
-
 def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     import ray
 
@@ -112,6 +85,8 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
         skipped = len(tasks) - len(keep)
         tasks = keep
 
+    bar = Progress(len(tasks) * cfg.group_size, enabled=progress)
+    bar.note(startup_line(cfg, model_path, len(tasks) * cfg.group_size))
     _init_ray(cfg)
     t0 = time.perf_counter()
     engines = start_engine_actors(_engine_specs(cfg, model_path))
@@ -126,15 +101,15 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
     parser = create_renderer(load_tokenizer(model_path), name=cfg.renderer.name,
                              thinking_retention=cfg.renderer.thinking_retention, **cfg.renderer.template_kwargs)
     startup_s = time.perf_counter() - t0
-    bar = Progress(len(tasks) * cfg.group_size, enabled=progress and sys.stderr.isatty())
+    bar.note(ready_line(startup_s, len(engines), rinfo))
+    bar.start()
     driver = RolloutDriver(cfg, env, engines, renderer_actors, infos[0], parser, on_progress=bar)
     bar.driver = driver
     t1 = time.perf_counter()
     outcomes = asyncio.run(driver.run(tasks))
     wall_s = time.perf_counter() - t1
     closed = ray.get([r.close.remote() for r in renderer_actors])
-    if bar.enabled:
-        sys.stderr.write("\n")
+    bar.finish()
     files = [f for c in closed for f in c["files"]]
     previous = json.loads((out_dir / "manifest.json").read_text())["files"] if resume and (out_dir / "manifest.json").exists() else []
     break_counts: dict[str, int] = {}
