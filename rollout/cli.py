@@ -109,8 +109,18 @@ def cmd_pull(args) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tito")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tito", description="Token-in/token-out rollouts for RL.")
+    parser.add_argument("--version", action="version", version=f"tito {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_args(p):
