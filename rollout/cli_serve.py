@@ -17,8 +17,9 @@ def cmd_serve(args) -> int:
     if args.address:
         overrides.append(f"ray.address={args.address}")
     cfg = load_config(args.config, overrides, schema=ServeConfig)
-    print(f"tito serve: {cfg.served_model_name or cfg.model} on http://{cfg.server.host}:{cfg.server.port} "
-          f"({cfg.engine.count} x {cfg.engine.backend})", flush=True)
+    print(f"tito serve: {cfg.served_model_name or cfg.model} on http://{cfg.server.host}:{cfg.server.port}: starting "
+          f"model {cfg.model}, {cfg.engine.count} x {cfg.engine.backend} engine, renderer {cfg.renderer.name or 'auto'} "
+          f"x {cfg.renderer.actors}, samples {cfg.output.dir or 'not written'}", flush=True)
     serve(cfg)
     return 0
 

@@ -96,12 +96,24 @@ def _shutdown(state: ServerState, actors: list[Any]) -> None:
                 pass
 
 
+def _announce_ready(server: Any, host: str, t0: float) -> None:
+    """Print the ready line (with the bound port: the config may say 0) once uvicorn listens."""
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    print(f"tito serve: ready in {time.perf_counter() - t0:.1f} s on http://{host}:{port}", flush=True)
+
+
 def serve(cfg: ServeConfig) -> None:
     """``tito serve``: run until interrupted, then write open sessions (with an output dir) and stop the actors."""
     import uvicorn
 
+    t0 = time.perf_counter()
     state, actors = build_state(cfg)
     server = uvicorn.Server(_uvicorn_config(create_app(state), cfg.server.host, cfg.server.port, cfg.server.log_level))
+    threading.Thread(target=_announce_ready, args=(server, cfg.server.host, t0), daemon=True).start()
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal it shut down on; the shutdown was clean
