@@ -13,13 +13,16 @@ from typing import Any
 import ray
 
 from rollout.renderer_service import RendererService
+from rollout.shards import STREAM
 
 RendererActor = ray.remote(max_concurrency=1, max_restarts=0, enable_task_events=False)(RendererService)
 
 
 def start_renderer_actors(n: int, model_path: str, *, num_cpus: float = 0.25, **kwargs: Any) -> list[Any]:
-    """``n`` renderer actors writing shard streams ``shard-r0``, ``shard-r1``, ... into one directory."""
+    """``n`` renderer actors writing shard streams ``train-r0``, ``train-r1``, ... into one directory
+    (``OUT/data/``). Every public method of the service is an actor method, ``flush`` included:
+    ``tito serve`` calls ``actor.flush.remote()`` after a session's ``finish`` to write it at once."""
     return [
-        RendererActor.options(num_cpus=num_cpus, name=None).remote(model_path, stream=f"shard-r{i}", **kwargs)
+        RendererActor.options(num_cpus=num_cpus, name=None).remote(model_path, stream=f"{STREAM}-r{i}", **kwargs)
         for i in range(n)
     ]

@@ -35,15 +35,18 @@ SUFFIX_FORMAT = {".arrow": "ipc", ".ipc": "ipc", ".feather": "ipc", ".parquet": 
 
 
 def shard_files(source: str | Path | Sequence[str | Path]) -> list[Path]:
-    """The shard files a source names, sorted: a file, a directory (its ``*.arrow``/``*.parquet``, not
-    hidden temporaries), a glob pattern, or a list of any of those. Raises FileNotFoundError when a
+    """The shard files a source names, sorted: a file, a directory (its ``*.arrow``/``*.parquet`` and
+    those of its ``data/`` folder, not hidden temporaries), a glob pattern, or a list of any of those. Raises FileNotFoundError when a
     source names nothing and ValueError for a file with an unknown suffix."""
     if isinstance(source, (list, tuple)):
         return sorted({f for s in source for f in shard_files(s)})
     path = Path(source).expanduser()
     if path.is_dir():
+        # an output directory keeps its shards in data/ (older flat ones at the top: both are read);
         # hidden names are ShardWriter's in-progress temporaries (".name.tmp") and never complete shards
-        files = [p for p in path.iterdir() if p.suffix in SUFFIX_FORMAT and not p.name.startswith(".")]
+        folders = [path, path / "data"] if (path / "data").is_dir() else [path]
+        files = [p for d in folders for p in d.iterdir()
+                 if p.is_file() and p.suffix in SUFFIX_FORMAT and not p.name.startswith((".", "_"))]
     elif path.is_file():
         files = [path]
     else:

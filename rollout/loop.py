@@ -101,10 +101,17 @@ class RolloutDriver:
             *(self._run_with_retries(task, group_id, f"{task.task_id}#{k}", renderer) for k in range(self.cfg.group_size))
         )
         self._advantages(outcomes)
+        s = self.cfg.sampling
+        sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed}
+        items = []
         for o in outcomes:
             meta = {"task_id": o.task_id, "group_id": o.group_id, "reward": o.reward, "reward_components": o.components,
-                    "advantage": o.advantage, "finish_reason": o.finish_reason, "messages": o.messages, "error": o.error}
-            await call(renderer, "finish", o.rollout_id, meta, o.last_turn)
+                    "advantage": o.advantage, "finish_reason": o.finish_reason, "messages": o.messages, "error": o.error,
+                    "sampling": sampling}
+            items.append((o.rollout_id, meta, o.last_turn))
+        # one call, one unit for the shard writer: a group's rows always land in the same file, so a
+        # resumed run finds every group either whole or absent
+        await call(renderer, "finish_group", items)
         return list(outcomes)
 
     def _advantages(self, outcomes: list[RolloutOutcome]) -> None:

@@ -20,7 +20,7 @@ import renderers
 from renderers import Break
 
 from .samples import SampleBuilder, Segment
-from .shards import ShardWriter
+from .shards import BREAKS, DATA_DIR, SAMPLING_COLUMNS, STREAM, ShardWriter
 
 # One turn's result as the driver reports it: (turn, completion ids, logprobs, weight version,
 # the parsed assistant message). The driver parses (the same renderer code on the same tokenizer), so
@@ -49,9 +49,10 @@ class RendererService:
         template_kwargs: dict | None = None,
         thinking_retention: str = "keep",
         out_dir: str | None = None,
-        stream: str = "shard",
+        stream: str = STREAM,
         fmt: str = "arrow",
         rows_per_file: int = 1024,
+        flush_interval_s: float | None = None,
         model_name: str | None = None,
     ) -> None:
         self.tokenizer = renderers.load_tokenizer(model_path)
@@ -64,8 +65,10 @@ class RendererService:
         self.turns_bridged = 0
         self._cpu_start = time.process_time()  # this process's CPU time, for the capacity figure in close()
         self._lock = threading.Lock()
-        self.writer = ShardWriter(out_dir, stream=stream, fmt=fmt, rows_per_file=rows_per_file) if out_dir else None
-        self._breaks_path = Path(out_dir) / "breaks.jsonl" if out_dir else None
+        # shards go to OUT/data/, the break log beside it (see rollout/shards.py for the layout)
+        self.writer = ShardWriter(Path(out_dir) / DATA_DIR, stream=stream, fmt=fmt, rows_per_file=rows_per_file,
+                                  flush_interval_s=flush_interval_s) if out_dir else None
+        self._breaks_path = Path(out_dir) / BREAKS if out_dir else None
 
     def info(self) -> dict:
         r = self.renderer
@@ -155,9 +158,30 @@ class RendererService:
                 "template_sha256": self.renderer.template_sha256 or "", "model": self.model_name}
 
     def finish(self, rollout_id: str, meta: dict[str, Any], last_turn: Turn | None = None) -> int:
-        """Record the last turn's completion (if it was not bridged) and write the rollout's samples
-        (one row per segment) with the driver's metadata (task/group ids, reward, components,
-        advantage, finish reason, messages, error). Returns the number of rows."""
+        """Record the last turn's completion (if it was not bridged) and queue the rollout's samples
+        (one row per segment) with the caller's metadata (task/group ids, reward, components,
+        advantage, finish reason, messages, error, and ``sampling``: temperature/top_p/top_k/seed) for
+        the shard writer, as one unit. Returns the number of rows. ``tito serve`` calls :meth:`flush`
+        after it to put a closed session on disk at once."""
+        rows = self._rows(rollout_id, meta, last_turn)
+        if self.writer is not None:
+            self.writer.add(rows)
+        return len(rows)
+
+    def finish_group(self, items: list[tuple[str, dict[str, Any], Turn | None]]) -> int:
+        """``finish`` for every rollout of a group, ``(rollout_id, meta, last_turn)`` each, queued as
+        one unit: a group's rows always land in the same file. Returns the number of rows."""
+        rows = [row for rid, meta, last_turn in items for row in self._rows(rid, meta, last_turn)]
+        if self.writer is not None:
+            self.writer.add(rows)
+        return len(rows)
+
+    def flush(self) -> list[dict]:
+        """Write every finished rollout still pending to a shard file now (atomically); returns the new
+        file entries ({file, rows, tokens}); [] when nothing is pending or there is no output dir."""
+        return self.writer.flush() if self.writer is not None else []
+
+    def _rows(self, rollout_id: str, meta: dict[str, Any], last_turn: Turn | None) -> list[dict[str, Any]]:
         ro = self.rollouts.pop(rollout_id, None)
         if ro is not None and last_turn is not None:
             self._record(ro, *last_turn)
@@ -165,6 +189,8 @@ class RendererService:
             ro = _Rollout(None)
             ro.builder.segments.append(Segment())
             ro.weight_versions.append([])
+        sampling = meta.get("sampling") or {}
+        sampling_cols = {k: sampling.get(k) for k in SAMPLING_COLUMNS}
         segments = [s for s in ro.builder.segments if s.completion_tokens > 0] or ro.builder.segments[-1:]
         rows = []
         for i, seg in enumerate(segments):
@@ -184,11 +210,9 @@ class RendererService:
                 "model": self.model_name, "renderer": self.renderer.name,
                 "template_sha256": self.renderer.template_sha256 or "",
                 "prompt_tokens": seg.prompt_tokens, "completion_tokens": seg.completion_tokens,
-                "error": meta.get("error"),
+                "error": meta.get("error"), **sampling_cols,
             })
-        if self.writer is not None:
-            self.writer.add(rows)
-        return len(rows)
+        return rows
 
     def discard(self, rollout_id: str) -> None:
         """Forget a rollout that will be re-run (its engine died): nothing of it is written."""

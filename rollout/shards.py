@@ -1,8 +1,12 @@
 """Arrow/Parquet training shards: one row per training sample (a rollout segment).
 
-Files are written under a temporary name and renamed when complete, so a reader never sees a
-partial file; ``manifest.json`` lists the finished files with their row counts. The schema, with a
-description of every column, is stored in each file's metadata and documented in docs/shards.md.
+An output directory holds the shards in ``data/`` (``data/train-<stream>-<seq>.arrow``) and, beside
+it, ``_manifest.json``, ``_summary.json`` and ``_breaks.jsonl``. The leading underscore (the
+Hadoop/Spark ``_SUCCESS`` convention) makes ``pyarrow.dataset``, Spark and DuckDB globs skip them, and
+the ``train-`` file prefix makes ``datasets.load_dataset(out_dir)`` pick the shards as its train
+split, so every reader works on the directory itself. Files are written under a temporary name and
+renamed when complete, so a reader never sees a partial file. The schema, with a description of
+every column, is stored in each file's metadata and documented in docs/shards.md.
 """
 
 from __future__ import annotations
@@ -14,10 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: sampling columns; shards in data/, metadata files named _*.json
+
+DATA_DIR = "data"  # the shards' folder inside an output directory
+STREAM = "train"  # file-name prefix: HF datasets maps it to the "train" split
+MANIFEST = "_manifest.json"
+SUMMARY = "_summary.json"
+BREAKS = "_breaks.jsonl"
 
 COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("token_ids", pa.list_(pa.int32()), "the segment's token ids: context and sampled tokens in order"),
@@ -43,7 +54,12 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("prompt_tokens", pa.int32(), "context tokens in the segment"),
     ("completion_tokens", pa.int32(), "sampled tokens in the segment"),
     ("error", pa.string(), "the rollout's error, if it failed"),
+    ("temperature", pa.float64(), "sampling temperature the rollout was sampled with (null if unknown)"),
+    ("top_p", pa.float64(), "nucleus sampling p (1 = off; null if unknown)"),
+    ("top_k", pa.int32(), "top-k sampling k (0 = off; null if unknown)"),
+    ("seed", pa.int64(), "the run's sampling.seed (each turn's seed derives from it and the rollout id); null if unset"),
 ]
+SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "seed")
 
 
 def schema() -> pa.Schema:
@@ -56,20 +72,30 @@ SCHEMA = schema()
 
 
 def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
-    missing = [name for name, _, _ in COLUMNS if rows and name not in rows[0]]
+    """Rows as a table of the schema; the sampling columns may be left out (null: a caller that does not
+    know them), any other missing column is an error naming it."""
+    missing = [name for name, _, _ in COLUMNS if rows and name not in rows[0] and name not in SAMPLING_COLUMNS]
     if missing:
         raise ValueError(f"sample rows lack columns {missing}")
     return pa.Table.from_pylist(rows, schema=SCHEMA)
 
 
 class ShardWriter:
-    """Buffers rows and writes them as complete files of ``rows_per_file`` rows (and the rest on close).
+    """Writes rows in files that each hold whole units (a unit is one ``add`` call: the driver adds a
+    finished group, ``tito serve`` a finished session), so a group never straddles two files.
+
+    A file is written once the pending units hold ``rows_per_file`` rows, once the oldest pending unit
+    has waited ``flush_interval_s`` seconds (a timer thread, so a slow run still reaches disk), and on
+    :meth:`flush` / :meth:`close`. A crash therefore loses only groups still running plus at most
+    ``flush_interval_s`` of finished ones; a signal or a clean end loses nothing finished. Files go to
+    a temporary name, are fsynced and renamed, so a reader never sees a partial file.
 
     ``stream`` names this writer's files (several renderer actors write side by side into one
     directory without coordinating). Thread-safe.
     """
 
-    def __init__(self, directory: str | Path, stream: str = "shard", fmt: str = "arrow", rows_per_file: int = 1024) -> None:
+    def __init__(self, directory: str | Path, stream: str = STREAM, fmt: str = "arrow", rows_per_file: int = 1024,
+                 flush_interval_s: float | None = None) -> None:
         if fmt not in ("arrow", "parquet"):
             raise ValueError(f"format must be 'arrow' or 'parquet', got {fmt!r}")
         self.dir = Path(directory)
@@ -77,71 +103,145 @@ class ShardWriter:
         self.stream = stream
         self.fmt = fmt
         self.rows_per_file = rows_per_file
-        self._pending: list[pa.Table] = []  # validated rows not yet in a file
+        self.flush_interval_s = flush_interval_s
+        self._pending: list[pa.Table] = []  # validated units not yet in a file
         self._pending_rows = 0
         self._lock = threading.Lock()
-        self._seq = len(list(self.dir.glob(f"{stream}-*.{self.suffix}")))  # resume after existing files
+        self._timer: threading.Timer | None = None
+        self._seq = _next_seq(self.dir, stream, self.suffix)  # resume after existing files, never reuse a name
         self.files: list[dict] = []
 
     @property
     def suffix(self) -> str:
         return "arrow" if self.fmt == "arrow" else "parquet"
 
-    def add(self, rows: list[dict[str, Any]]) -> None:
-        """Validate rows against the schema (a bad row raises here and nothing is kept) and write
-        every complete file."""
+    @property
+    def pending_rows(self) -> int:
+        return self._pending_rows
+
+    def add(self, rows: list[dict[str, Any]]) -> list[dict]:
+        """Validate one unit of rows against the schema (a bad row raises here and nothing is kept);
+        returns the files this call wrote (none while the unit waits for more)."""
         if not rows:
-            return
+            return []
         table = rows_to_table(rows)
         with self._lock:
             self._pending.append(table)
             self._pending_rows += table.num_rows
-            if self._pending_rows >= self.rows_per_file:
-                merged = pa.concat_tables(self._pending)
-                full = merged.num_rows - merged.num_rows % self.rows_per_file
-                for start in range(0, full, self.rows_per_file):
-                    self._write(merged.slice(start, self.rows_per_file))
-                rest = merged.slice(full)
-                self._pending, self._pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
+            if self._pending_rows >= self.rows_per_file or self.flush_interval_s == 0:
+                return self._flush_locked()
+            if self.flush_interval_s is not None and self._timer is None:
+                self._timer = threading.Timer(self.flush_interval_s, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+        return []
+
+    def flush(self) -> list[dict]:
+        """Write every pending unit to one file now; returns the new file's entry ([] if none pending)."""
+        with self._lock:
+            return self._flush_locked()
 
     def close(self) -> list[dict]:
-        with self._lock:
-            if self._pending_rows:
-                self._write(pa.concat_tables(self._pending))
-                self._pending, self._pending_rows = [], 0
+        """Flush and stop the timer; returns every file this writer wrote."""
+        self.flush()
         return self.files
 
-    def _write(self, table: pa.Table) -> None:
+    def _flush_locked(self) -> list[dict]:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._pending_rows:
+            return []
+        # one record batch per file (readers stream batches; many one-group batches would be slow)
+        entry = self._write(pa.concat_tables(self._pending).combine_chunks())
+        self._pending, self._pending_rows = [], 0
+        return [entry]
+
+    def _write(self, table: pa.Table) -> dict:
         name = f"{self.stream}-{self._seq:05d}.{self.suffix}"
         self._seq += 1
-        final = self.dir / name
-        tmp = self.dir / f".{name}.tmp"
-        if self.fmt == "arrow":
-            with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, SCHEMA) as writer:
-                writer.write_table(table)
-        else:
-            pq.write_table(table, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        self.files.append({"file": name, "rows": table.num_rows, "tokens": sum(len(t) for t in table["token_ids"].to_pylist())})
+        entry = write_table_atomic(self.dir / name, table)
+        self.files.append(entry)
+        return entry
+
+
+def _next_seq(directory: Path, stream: str, suffix: str) -> int:
+    seqs = []
+    for p in directory.glob(f"{stream}-*.{suffix}"):
+        tail = p.stem[len(stream) + 1:]
+        if tail.isdigit():
+            seqs.append(int(tail))
+    return max(seqs) + 1 if seqs else 0
+
+
+def write_table_atomic(path: Path, table: pa.Table) -> dict:
+    """Write ``table`` to ``path`` (format by suffix) via a hidden temporary, fsync, rename; returns the
+    manifest entry (file name relative to the data directory, rows, tokens)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    if path.suffix == ".arrow":
+        with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, SCHEMA) as writer:
+            writer.write_table(table)
+    else:
+        pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"file": path.name, "rows": table.num_rows, "tokens": _tokens(table)}
+
+
+def _tokens(table: pa.Table) -> int:
+    return int(pc.sum(pc.list_value_length(table["token_ids"])).as_py() or 0) if table.num_rows else 0
+
+
+def write_json_atomic(path: Path, data: Any) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False))
+    os.replace(tmp, path)
+    return path
 
 
 def write_manifest(directory: str | Path, files: list[dict], extra: dict[str, Any] | None = None) -> Path:
-    """manifest.json: every finished shard file with its row count (written atomically)."""
+    """``_manifest.json``: every finished shard file (path relative to ``directory``) with its row and
+    token counts (written atomically)."""
     directory = Path(directory)
     manifest = {"schema_version": SCHEMA_VERSION, "files": sorted(files, key=lambda f: f["file"]),
-                "rows": sum(f["rows"] for f in files), **(extra or {})}
-    tmp = directory / ".manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, directory / "manifest.json")
-    return directory / "manifest.json"
+                "rows": sum(f["rows"] for f in files), "tokens": sum(f.get("tokens", 0) for f in files),
+                **(extra or {})}
+    return write_json_atomic(directory / MANIFEST, manifest)
 
 
-def read_table(path: str | Path) -> pa.Table:
-    """One shard file (Arrow IPC or Parquet) as a table."""
+def read_manifest(directory: str | Path) -> dict | None:
+    """The output directory's manifest (``_manifest.json``, or the flat layout's ``manifest.json``)."""
+    for name in (MANIFEST, "manifest.json"):
+        path = Path(directory) / name
+        if path.exists():
+            return json.loads(path.read_text())
+    return None
+
+
+def output_shards(directory: str | Path) -> list[Path]:
+    """The finished shard files of an output directory: ``data/*`` and, from the flat layout of schema
+    1, ``shard-*`` files at the top (hidden temporaries are never included)."""
+    directory = Path(directory)
+    found = []
+    for folder in (directory / DATA_DIR, directory):
+        if folder.is_dir():
+            found += [p for p in folder.iterdir() if p.is_file() and p.suffix in (".arrow", ".parquet")
+                      and not p.name.startswith((".", "_"))]
+    return sorted(found)
+
+
+def file_entry(directory: str | Path, path: Path) -> dict:
+    """A manifest entry for an existing shard file, from the file itself (rows, tokens)."""
+    table = read_table(path, columns=["token_ids"])
+    return {"file": path.relative_to(directory).as_posix(), "rows": table.num_rows, "tokens": _tokens(table)}
+
+
+def read_table(path: str | Path, columns: list[str] | None = None) -> pa.Table:
+    """One shard file (Arrow IPC or Parquet) as a table (optionally only ``columns``)."""
     path = Path(path)
     if path.suffix == ".parquet":
-        return pq.read_table(path)
+        return pq.read_table(path, columns=columns)
     with pa.memory_map(str(path)) as source:
-        return ipc.open_file(source).read_all()
+        table = ipc.open_file(source).read_all()
+    return table.select(columns) if columns else table

@@ -34,7 +34,8 @@ def synthetic_row(i: int, n: int = 12, prompt: int = 5) -> dict:
 def write_shards(directory, count: int, fmt: str = "arrow", rows_per_file: int = 4, n=lambda i: 12) -> list[dict]:
     rows = [synthetic_row(i, n(i)) for i in range(count)]
     w = ShardWriter(directory, fmt=fmt, rows_per_file=rows_per_file)
-    w.add(rows)
+    for row in rows:  # one unit each: files of rows_per_file rows
+        w.add([row])
     w.close()
     return rows
 

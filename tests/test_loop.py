@@ -52,7 +52,7 @@ def test_multi_turn_rollouts_write_exact_samples(tmp_path):
     # the task with no recorded completion fails cleanly; the run went on
     assert len(failed) == 2 and all(o.finish_reason == "error" and "EngineError" in o.error for o in failed), failed[0].error
 
-    table = read_table(next(tmp_path.glob("shard-*.arrow")))
+    table = read_table(next(tmp_path.glob("data/train-*.arrow")))
     rows = table.to_pylist()
     assert sorted(row["rollout_id"] for row in rows) == sorted(o.rollout_id for o in outcomes)  # each exactly once
     for row in rows:
@@ -100,7 +100,7 @@ def test_a_rollout_that_times_out_is_recorded_and_its_engine_request_aborted(tmp
     assert all("timed out after 0.5s" in o.error for o in outcomes)
     assert not engine._running, "the engine still runs the timed-out requests"
     svc.close()
-    rows = read_table(next(tmp_path.glob("shard-*.arrow"))).to_pylist()
+    rows = read_table(next(tmp_path.glob("data/train-*.arrow"))).to_pylist()
     assert sorted(row["rollout_id"] for row in rows) == sorted(o.rollout_id for o in outcomes)
     assert all(row["finish_reason"] == "timeout" and row["error"] for row in rows)
 

@@ -10,7 +10,7 @@ import pytest
 
 import renderers
 from rollout.samples import SampleBuilder
-from rollout.shards import SCHEMA, ShardWriter, read_table, write_manifest
+from rollout.shards import MANIFEST, SCHEMA, SCHEMA_VERSION, ShardWriter, read_table, write_manifest
 
 from ._support import ours
 
@@ -46,12 +46,13 @@ def test_rows_round_trip_to_the_completions(tmp_path):
     tok, b, first, second = built_rollout()
     seg = b.segments[0]
     w = ShardWriter(tmp_path, fmt="arrow", rows_per_file=2)
-    w.add([_row(seg, i) for i in range(3)])
+    for i in range(3):
+        w.add([_row(seg, i)])
     files = w.close()
     assert [f["rows"] for f in files] == [2, 1]
     assert not list(tmp_path.glob(".*.tmp")), "no temporary file is left behind"
     table = read_table(tmp_path / files[0]["file"])
-    assert table.schema.metadata[b"tito.schema_version"] == b"1"
+    assert table.schema.metadata[b"tito.schema_version"] == SCHEMA_VERSION.encode()
     assert table.schema.field("loss_mask").metadata[b"description"]
     row = table.slice(0, 1).to_pylist()[0]
     trained = [t for t, m in zip(row["token_ids"], row["loss_mask"]) if m]
@@ -73,7 +74,7 @@ def test_readable_by_polars(tmp_path, fmt):
     path = tmp_path / files[0]["file"]
     df = pl.read_ipc(path) if fmt == "arrow" else pl.read_parquet(path)
     assert df.height == 1 and df["loss_mask"].list.sum()[0] == b.segments[0].completion_tokens
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
     assert manifest["rows"] == 1 and manifest["files"][0]["file"] == files[0]["file"]
 
 
@@ -82,7 +83,7 @@ def test_bad_rows_fail_before_any_file_is_written(tmp_path):
     with pytest.raises((ValueError, pa.ArrowInvalid, pa.ArrowTypeError)):
         w.add([{"token_ids": "not a list"}])
     assert not list(tmp_path.iterdir())
-    assert len(SCHEMA) == 23
+    assert len(SCHEMA) == 27
 
 
 def test_every_column_is_documented():
