@@ -142,11 +142,18 @@ class Progress:
         if self._console is not None:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress
+            from rich.text import Text
 
-            self._bar = RichProgress(
+            class TwoLines(RichProgress):
+                # the figures on a line of their own under the bar: both fit an 80-column terminal
+                def get_renderables(self):
+                    yield self.make_tasks_table(self.tasks)
+                    for task in self.tasks:
+                        yield Text("  " + task.fields["stats"], style="dim")
+
+            self._bar = TwoLines(
                 TextColumn("[bold]rollouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
-                console=self._console, refresh_per_second=4,
+                TextColumn("ETA"), TimeRemainingColumn(), console=self._console, refresh_per_second=4,
             )
             self._task = self._bar.add_task("rollouts", total=self.total, completed=self.done, stats=self.stats())
             self._bar.start()
