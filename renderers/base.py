@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .messages import MessageError, normalize_messages, normalize_tools
 from .pieces import Pieces
+from .scan import prompt_opens_reasoning, scan_ids
 from .tokenizer import Tokenizer
 from .types import Break, BreakReason, Bridged, Capabilities, ParsedResponse, RenderedTokens, ToolCall, ToolCallStatus
+
+if TYPE_CHECKING:
+    from .dialects import Dialect
 
 THINKING_RETENTION = ("keep", "template")
 # Every reasoning_effort value any template uses, in order. A template that distinguishes only some of
@@ -61,6 +65,10 @@ class Renderer:
     think_tokens: ClassVar[tuple[str, str] | None] = None
     tool_call_tokens: ClassVar[tuple[str, str] | None] = None
     extra_stop_tokens: ClassVar[tuple[str, ...]] = ()
+    # The hook for a hand-coded family whose output format is a dialect (renderers/dialects): its name.
+    # parse_response then delegates to that dialect (with this renderer's stop ids) wherever the
+    # vocabulary has the dialect's markers. None (every family today): the base scan below.
+    dialect: ClassVar[str | None] = None
 
     def __init__(self, tokenizer: Tokenizer, *, thinking_retention: str = "keep", **template_kwargs: Any) -> None:
         if thinking_retention not in THINKING_RETENTION:
@@ -251,15 +259,7 @@ class Renderer:
 
     def _prompt_opens_reasoning(self, prompt_ids: list[int] | None) -> bool:
         """True when the prompt's last turn opened a reasoning block that the completion continues."""
-        if not prompt_ids or self.think_ids is None:
-            return False
-        open_id, close_id = self.think_ids
-        for tid in reversed(prompt_ids):
-            if tid == open_id:
-                return True
-            if tid == close_id or tid == self.turn_close_id:
-                return False
-        return False
+        return prompt_opens_reasoning(prompt_ids, self.think_ids, (self.turn_close_id,))
 
     # ---- parsing ---------------------------------------------------------------------------------
 
@@ -267,52 +267,40 @@ class Renderer:
         self, completion_ids: list[int], prompt_ids: list[int] | None = None, tools: Any = None
     ) -> ParsedResponse:
         """Split a completion into reasoning, content and tool calls by scanning its token ids."""
+        if self.dialect is not None:
+            dialect = self._dialect()
+            if dialect is not None:
+                return dialect.parse(completion_ids, tools, prompt_ids=prompt_ids, stop_ids=self.stop_token_ids)
         tool_names = _tool_names(normalize_tools(tools))
-        open_think, close_think = self.think_ids or (None, None)
-        open_call, close_call = self.tool_call_ids or (None, None)
-        in_reasoning = self._prompt_opens_reasoning(prompt_ids)
-        saw_reasoning = in_reasoning
-        reasoning: list[int] = []
-        content: list[int] = []
-        calls: list[ToolCall] = []
-        call_start: int | None = None
-        stop: int | None = None
         ids = list(completion_ids)
-        end = len(ids)
-        for i, tid in enumerate(ids):
-            if tid in self.stop_token_ids:
-                stop, end = tid, i
-                break
-            if call_start is not None:
-                if tid == close_call:
-                    calls.append(self._parse_call(ids[call_start + 1 : i], (call_start, i + 1), tool_names))
-                    call_start = None
-                continue
-            if tid == open_think and not in_reasoning:
-                in_reasoning = saw_reasoning = True
-            elif tid == close_think:
-                if not in_reasoning and not saw_reasoning:
-                    reasoning, content = content, []  # a close with no open: what came before was reasoning
-                in_reasoning = False
-                saw_reasoning = True
-            elif in_reasoning:
-                reasoning.append(tid)
-            elif tid == open_call:
-                call_start = i
-            else:
-                content.append(tid)
-        if call_start is not None:
-            call = self._parse_call(ids[call_start + 1 : end], (call_start, end), tool_names)
-            call.status, call.error = ToolCallStatus.UNCLOSED, "the completion ended inside this tool call"
+        scan = scan_ids(
+            ids,
+            stop_ids=self.stop_token_ids,
+            think=self.think_ids,
+            call=self.tool_call_ids,
+            in_reasoning=self._prompt_opens_reasoning(prompt_ids),
+        )
+        calls = []
+        for start, end, closed in scan.calls:
+            call = self._parse_call(ids[start + 1 : end - 1 if closed else end], (start, end), tool_names)
+            if not closed:
+                call.status, call.error = ToolCallStatus.UNCLOSED, "the completion ended inside this tool call"
             calls.append(call)
         decode = self.tokenizer.decode
         return ParsedResponse(
-            content=decode(content).strip(),
-            reasoning_content=decode(reasoning).strip() if saw_reasoning else None,
+            content=decode(scan.content).strip(),
+            reasoning_content=decode(scan.reasoning).strip() if scan.saw_reasoning else None,
             tool_calls=calls,
-            reasoning_complete=(not in_reasoning) if saw_reasoning else None,
-            stop_token_id=stop,
+            reasoning_complete=(not scan.in_reasoning) if scan.saw_reasoning else None,
+            stop_token_id=scan.stop,
         )
+
+    def _dialect(self) -> Dialect | None:
+        """The dialect named by :attr:`dialect` on this tokenizer, or None where the vocabulary lacks its
+        markers (then the base scan parses)."""
+        from .dialects import dialect_named
+
+        return dialect_named(self.dialect, self.tokenizer) if self.dialect else None
 
     def _parse_call(self, body_ids: list[int], span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
         return parse_json_call(self.tokenizer.decode(body_ids), span, tool_names)

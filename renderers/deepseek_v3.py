@@ -27,6 +27,7 @@ rendering it anyway:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -34,6 +35,7 @@ from .base import Renderer, TemplateRejected, _tool_names, checked_call
 from .deepseek_r1_distill import OUTPUT_BEGIN, OUTPUT_END, OUTPUTS_BEGIN, OUTPUTS_END
 from .messages import normalize_tools
 from .pieces import Pieces
+from .scan import scan_ids
 from .tokenizer import Tokenizer
 from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCall, ToolCallStatus
 
@@ -182,91 +184,71 @@ class _DeepSeekBase(Renderer):
         ``unclosed``. ``<｜tool▁calls▁begin｜>``/``<｜tool▁calls▁end｜>`` and the text between calls inside
         the block are structure, not content. Anything after a stop id is ignored."""
         tool_names = _tool_names(normalize_tools(tools))
-        open_think, close_think = self.think_ids or (None, None)
-        in_reasoning = self._prompt_opens_reasoning(prompt_ids)
-        saw_reasoning = in_reasoning
-        reasoning: list[int] = []
-        content: list[int] = []
-        calls: list[ToolCall] = []
-        call_start: int | None = None
-        in_block = False
-        stop: int | None = None
         ids = list(completion_ids)
-        end = len(ids)
-        for i, tid in enumerate(ids):
-            if tid in self.stop_token_ids:
-                stop, end = tid, i
-                break
-            if call_start is not None:
-                if tid == self._call_end_id:
-                    calls.append(self._parse_call(ids[call_start + 1 : i], (call_start, i + 1), tool_names))
-                    call_start = None
-                elif tid == self._call_begin_id or tid == self._calls_end_id:
-                    calls.append(self._unclosed(ids, call_start, i, tool_names))
-                    call_start = i if tid == self._call_begin_id else None
-                    if tid == self._calls_end_id:
-                        in_block = False
-                continue
-            if tid == open_think and not in_reasoning:
-                in_reasoning = saw_reasoning = True
-            elif tid == close_think:
-                if not in_reasoning and not saw_reasoning:
-                    reasoning, content = content, []  # a close with no open: what came before was reasoning
-                in_reasoning = False
-                saw_reasoning = True
-            elif in_reasoning:
-                reasoning.append(tid)
-            elif tid == self._call_begin_id:
-                call_start = i
-            elif tid == self._calls_begin_id:
-                in_block = True
-            elif tid == self._calls_end_id:
-                in_block = False
-            elif not in_block:
-                content.append(tid)
-        if call_start is not None:
-            calls.append(self._unclosed(ids, call_start, end, tool_names))
+        scan = scan_ids(
+            ids,
+            stop_ids=self.stop_token_ids,
+            think=self.think_ids,
+            call=(self._call_begin_id, self._call_end_id),
+            section=(self._calls_begin_id, self._calls_end_id),
+            restart=True,
+            in_reasoning=self._prompt_opens_reasoning(prompt_ids),
+        )
+        calls = []
+        for start, end, closed in scan.calls:
+            call = self._parse_call(ids[start + 1 : end - 1 if closed else end], (start, end), tool_names)
+            if not closed:
+                call.status, call.error = ToolCallStatus.UNCLOSED, "the tool call has no <｜tool▁call▁end｜>"
+            calls.append(call)
         decode = self.tokenizer.decode
         return ParsedResponse(
-            content=decode(content).strip(),
-            reasoning_content=decode(reasoning).strip() if saw_reasoning else None,
+            content=decode(scan.content).strip(),
+            reasoning_content=decode(scan.reasoning).strip() if scan.saw_reasoning else None,
             tool_calls=calls,
-            reasoning_complete=(not in_reasoning) if saw_reasoning else None,
-            stop_token_id=stop,
+            reasoning_complete=(not scan.in_reasoning) if scan.saw_reasoning else None,
+            stop_token_id=scan.stop,
         )
 
-    def _unclosed(self, ids: list[int], start: int, end: int, tool_names: set[str] | None) -> ToolCall:
-        call = self._parse_call(ids[start + 1 : end], (start, end), tool_names)
-        call.status, call.error = ToolCallStatus.UNCLOSED, "the tool call has no <｜tool▁call▁end｜>"
-        return call
-
     def _parse_call(self, body_ids: list[int], span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
-        """``TYPE<｜tool▁sep｜>NAME\\n```json\\nARGS\\n``` `` between the call markers. The fence is optional
-        (bare JSON after the name line is accepted); the type before the separator is not checked."""
-        decode = self.tokenizer.decode
-        raw = decode(body_ids)
-        if self._sep_id not in body_ids:
-            return ToolCall(
-                None, None, ToolCallStatus.MISSING_NAME, span, raw, "no <｜tool▁sep｜> before the function name"
-            )
-        rest = decode(body_ids[body_ids.index(self._sep_id) + 1 :])
+        return parse_deepseek_call(self.tokenizer.decode, self._sep_id, body_ids, span, tool_names)
+
+
+def parse_deepseek_call(
+    decode: Callable[[list[int]], str],
+    sep_id: int,
+    body_ids: list[int],
+    span: tuple[int, int],
+    tool_names: set[str] | None,
+    v31: bool = False,
+) -> ToolCall:
+    """``TYPE<｜tool▁sep｜>NAME\\n```json\\nARGS\\n``` `` between the call markers (V3, R1). The fence is
+    optional (bare JSON after the name line is accepted); the type before the separator is not checked.
+
+    ``v31``: also DeepSeek-V3.1's ``NAME<｜tool▁sep｜>ARGS`` (no type, no fence), taken when the text
+    after the separator starts with ``{`` (a V3 name line never does)."""
+    raw = decode(body_ids)
+    if sep_id not in body_ids:
+        return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "no <｜tool▁sep｜> before the function name")
+    cut = body_ids.index(sep_id)
+    rest = decode(body_ids[cut + 1 :])
+    if v31 and rest.lstrip().startswith("{"):
+        name, args_text = decode(body_ids[:cut]).strip(), rest
+    else:
         name, _, args_text = rest.partition("\n")
         name = name.strip()
-        if not name:
-            return ToolCall(
-                None, None, ToolCallStatus.MISSING_NAME, span, raw, "empty function name after <｜tool▁sep｜>"
-            )
-        args_text = args_text.strip()
-        if args_text.startswith("```"):
-            newline = args_text.find("\n")
-            if newline < 0 or not args_text.endswith("```") or len(args_text) - 3 < newline:
-                return ToolCall(name, None, ToolCallStatus.INVALID_JSON, span, raw, "the ```json fence is not closed")
-            args_text = args_text[newline + 1 : -3]
-        try:
-            args = json.loads(args_text)
-        except ValueError as exc:
-            return ToolCall(name, None, ToolCallStatus.INVALID_JSON, span, raw, f"arguments are not JSON: {exc}")
-        return checked_call(name, args, span, raw, tool_names)
+    if not name:
+        return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "empty function name after <｜tool▁sep｜>")
+    args_text = args_text.strip()
+    if args_text.startswith("```"):
+        newline = args_text.find("\n")
+        if newline < 0 or not args_text.endswith("```") or len(args_text) - 3 < newline:
+            return ToolCall(name, None, ToolCallStatus.INVALID_JSON, span, raw, "the ```json fence is not closed")
+        args_text = args_text[newline + 1 : -3]
+    try:
+        args = json.loads(args_text)
+    except ValueError as exc:
+        return ToolCall(name, None, ToolCallStatus.INVALID_JSON, span, raw, f"arguments are not JSON: {exc}")
+    return checked_call(name, args, span, raw, tool_names)
 
 
 class DeepSeekV3Renderer(_DeepSeekBase):
