@@ -47,6 +47,7 @@ from .annotate import (
     snap,
 )
 from .base import THINKING_RETENTION, Renderer, TemplateRejected, bridged
+from .dialects import dialect_for
 from .messages import MessageError, normalize_messages, normalize_tools
 from .pieces import Piece, encode_pieces
 from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, Probe, closers, probe_template, splice_point
@@ -94,7 +95,9 @@ class GenericRenderer(Renderer):
         self.history_arguments = base.history_arguments
         self.template_kwargs = self.check_template_kwargs(template_kwargs)
         added = tokenizer.added_tokens
-        self.think_ids = (added["<think>"], added["</think>"]) if "<think>" in added and "</think>" in added else None
+        # the reasoning pair of the vocabulary's dialect (``<think>``, Gemma 4's channel markers, ...)
+        dialect = dialect_for(tokenizer)
+        self.think_ids = dialect.think_ids if dialect is not None else None
         pair = ("<tool_call>", "</tool_call>")
         self.tool_call_ids = (added[pair[0]], added[pair[1]]) if all(t in added for t in pair) else None
 
@@ -514,19 +517,13 @@ class GenericRenderer(Renderer):
     # ---- parsing ----------------------------------------------------------------------------------
 
     def parse_response(self, completion_ids, prompt_ids=None, tools=None) -> ParsedResponse:
-        """Parsed by the markers the vocabulary has: a hand-coded family's parser where the vocabulary
-        is that family's (Harmony channels, DeepSeek tool calls), else ``<think>`` / ``<tool_call>``
-        JSON scanning (base class), plain text when the vocabulary has neither."""
-        delegate = _delegate_parser(self.tokenizer)
-        if delegate is not None:
-            return delegate.parse_response(completion_ids, prompt_ids, tools)
+        """Parsed by the dialect the vocabulary's markers select (renderers/dialects: Harmony channels,
+        DeepSeek, GLM, Kimi K2, MiniMax M2, ... down to ``<think>`` / ``<tool_call>`` scanning), with
+        this template's stop ids; plain text up to a stop id when the vocabulary has no dialect's markers."""
+        dialect = dialect_for(self.tokenizer)
+        if dialect is not None:
+            return dialect.parse(completion_ids, tools, prompt_ids=prompt_ids, stop_ids=self.stop_token_ids)
         return super().parse_response(completion_ids, prompt_ids, tools)
-
-    def _parse_call(self, body_ids, span, tool_names):
-        coder = _coder_parser(self.tokenizer)
-        if coder is not None and self.tokenizer.decode(body_ids).lstrip().startswith("<function="):
-            return coder._parse_call(body_ids, span, tool_names)
-        return super()._parse_call(body_ids, span, tool_names)
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -535,49 +532,4 @@ class GenericRenderer(Renderer):
 def _tools(tools: Any) -> list[dict] | None:
     defs = normalize_tools(tools)
     return [] if defs is None and tools is not None else defs
-
-
-_DELEGATES: dict[int, tuple[Tokenizer, Any]] = {}
-
-
-def _delegate_parser(tok: Tokenizer) -> Renderer | None:
-    """A hand-coded family's renderer on this tokenizer when the vocabulary is that family's and
-    its format is not the base class's (Harmony channels, DeepSeek tool-call tokens)."""
-    key = id(tok)
-    known = _DELEGATES.get(key)
-    if known is not None and known[0] is tok:  # the entry holds its tokenizer: an id is never reused while cached
-        return known[1]
-    added = tok.added_tokens
-    delegate = None
-    candidates: list[tuple[str, str, str]] = []
-    if "<|channel|>" in added and "<|start|>" in added:
-        candidates.append(("harmony", "HarmonyRenderer", ""))
-    if "<｜tool▁calls▁begin｜>" in added:
-        candidates.append(("deepseek_v3", "DeepSeekR1Renderer" if "<think>" in added else "DeepSeekV3Renderer", ""))
-    for module, cls_name, _ in candidates:
-        try:
-            mod = __import__(f"{__package__}.{module}", fromlist=[cls_name])
-            delegate = getattr(mod, cls_name)(tok)
-            break
-        except Exception:  # the family module is absent or rejects this vocabulary: scan generically
-            delegate = None
-    _DELEGATES[key] = (tok, delegate)
-    return delegate
-
-
-_CODERS: dict[int, tuple[Tokenizer, Any]] = {}
-
-
-def _coder_parser(tok: Tokenizer) -> Renderer | None:
-    """Qwen3-Coder's XML tool-call body parser, for ``<tool_call><function=...>`` bodies."""
-    key = id(tok)
-    known = _CODERS.get(key)
-    if known is None or known[0] is not tok:
-        try:
-            from .qwen3_coder import Qwen3CoderRenderer
-
-            known = _CODERS[key] = (tok, Qwen3CoderRenderer(tok))
-        except Exception:  # the module is absent or rejects this vocabulary: JSON bodies only
-            known = _CODERS[key] = (tok, None)
-    return known[1]
 
