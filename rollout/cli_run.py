@@ -6,8 +6,10 @@ import argparse
 
 
 def cmd_run(args) -> int:
+    import sys
+
     from .config import load_config
-    from .run import print_summary, run
+    from .run import RunInterrupted, _signals_raise, print_summary, run
 
     overrides = list(args.set)
     if args.format:
@@ -17,7 +19,17 @@ def cmd_run(args) -> int:
     if args.out:
         overrides.append(f"output.dir={args.out}")
     cfg = load_config(args.config, overrides)
-    summary = run(cfg, resume=args.resume, progress=not args.quiet)
+    try:
+        with _signals_raise():  # Ctrl-C / SIGTERM: one line and 128 + signal, never a traceback
+            summary = run(cfg, resume=args.resume, progress=not args.quiet)
+    except RunInterrupted as exc:
+        if exc.summary is None:
+            print(f"tito run: {exc}: before any rollout ran; nothing new written to {cfg.output.dir}", file=sys.stderr)
+        else:
+            s = exc.summary
+            print(f"tito run: {exc}: {s['this_run']['rollouts']} rollouts written this run, {s['rollouts']} in all "
+                  f"in {cfg.output.dir}; rerun with --resume to finish", file=sys.stderr)
+        return 128 + exc.signum
     print(f"tito run: {cfg.output.dir}")
     print_summary(summary)
     return 0 if summary["rollouts"] else 1
@@ -32,8 +44,14 @@ def cmd_inspect(args) -> int:
     tokenizer = None
     if not args.no_sample:
         model = args.model or _sample(args.path, args.sample)["model"]
-        tokenizer = load_tokenizer(resolve_model(model))
-    print(inspect(args.path, sample=args.sample, html_out=args.html, tokenizer=tokenizer))
+        try:
+            tokenizer = load_tokenizer(resolve_model(model))
+        except (ValueError, OSError):
+            if args.model or not args.html:
+                raise
+            # the HTML viewer shows token ids where the shards' model is not on this machine
+    print(inspect(args.path, sample=args.sample, html_out=None if args.no_sample else args.html, tokenizer=tokenizer,
+                  limit=args.limit))
     return 0
 
 
@@ -52,7 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ins = sub.add_parser("inspect", help="summarise shards and show one sample with its trainable tokens")
     ins.add_argument("path", help="a shard directory or file")
     ins.add_argument("--sample", type=int, default=0, help="row to show (default 0)")
-    ins.add_argument("--html", help="write the sample as an HTML page to this file")
+    ins.add_argument("--html", metavar="FILE",
+                     help="write an HTML viewer of the samples (from --sample, up to --limit) to this file")
+    ins.add_argument("--limit", type=int, default=200, help="samples in the HTML viewer (default 200)")
     ins.add_argument("--model", help="tokenizer to decode with (default: the shards' model)")
     ins.add_argument("--no-sample", action="store_true", help="only the summary")
     ins.set_defaults(func=cmd_inspect)

@@ -63,7 +63,9 @@ class AdvantageConfig(_Strict):
 class OutputConfig(_Strict):
     dir: str = "out/run"
     format: Literal["arrow", "parquet"] = "arrow"
-    rows_per_file: int = Field(1024, ge=1)
+    rows_per_file: int = Field(1024, ge=1, description="a file is written once pending whole groups hold this many rows")
+    flush_interval_s: float = Field(10.0, ge=0, description="... or once the oldest pending group waited this long "
+                                                          "(0: a file per group); groups never straddle files")
 
 
 class RayConfig(_Strict):

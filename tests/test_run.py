@@ -22,7 +22,7 @@ from rollout.inspect_shards import summarize  # noqa: E402
 from rollout.loop import RolloutDriver  # noqa: E402
 from rollout.renderer_service import RendererService  # noqa: E402
 from rollout.run import done_rollouts, run  # noqa: E402
-from rollout.shards import read_table  # noqa: E402
+from rollout.shards import MANIFEST, SUMMARY, read_table  # noqa: E402
 
 from ._support import tokenizer_dir  # noqa: E402
 
@@ -50,8 +50,8 @@ def _config(tmp_path, **over):
 
 def _rows(out_dir):
     rows = []
-    for path in sorted(out_dir.glob("shard-*")):
-        rows += read_table(path).select(["rollout_id", "task_id", "segment_index", "loss_mask"]).to_pylist()
+    for path in sorted(out_dir.glob("data/train-*")) + sorted(out_dir.glob("shard-*")):
+        rows += read_table(path).select(["rollout_id", "task_id", "segment_index", "loss_mask", "reward"]).to_pylist()
     return rows
 
 
@@ -64,9 +64,15 @@ def test_run_writes_each_rollout_once(tmp_path):
     firsts = [r["rollout_id"] for r in rows if r["segment_index"] == 0]
     assert sorted(firsts) == sorted({r["rollout_id"] for r in rows}) and len(firsts) == 6
     assert all(any(r["loss_mask"]) for r in rows)
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["rows"] == len(rows)
-    assert json.loads((out / "summary.json").read_text())["rollouts"] == 6
+    saved = json.loads((out / SUMMARY).read_text())
+    assert saved["rollouts"] == 6 and saved["this_run"]["rollouts"] == 6
+    # the resolved config and the sampling params travel with the data: manifest, summary and rows
+    assert manifest["config"] == saved["config"] == cfg.model_dump(mode="json")
+    assert manifest["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 7}
+    sampled = read_table(next(out.glob("data/*.arrow")), columns=["temperature", "top_p", "top_k", "seed"])
+    assert set(map(tuple, (r.values() for r in sampled.to_pylist()))) == {(1.0, 1.0, 0, 7)}
     assert summarize(out)["rollouts"] == 6
     # a second run into the same directory must not silently mix runs
     with pytest.raises(ValueError, match="--resume"):
@@ -78,7 +84,11 @@ def test_resume_completes_without_duplicates(tmp_path):
     before = done_rollouts(tmp_path / "out")
     assert len(before) == 4
     summary = run(_config(tmp_path, **{"tasks.count": 4}), resume=True, progress=False)
-    assert summary["skipped_tasks_resumed"] == 2 and summary["rollouts"] == 4
+    assert summary["this_run"]["skipped_tasks_resumed"] == 2 and summary["this_run"]["rollouts"] == 4
+    # manifest and summary cover every shard on disk, both runs'
+    assert summary["rollouts"] == 8 and summary["tasks"] == 4
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert manifest["rows"] == len(_rows(tmp_path / "out")) and len(manifest["files"]) == len(list((tmp_path / "out").glob("data/*")))
     firsts = [r["rollout_id"] for r in _rows(tmp_path / "out") if r["segment_index"] == 0]
     assert len(firsts) == len(set(firsts)) == 8
 
@@ -88,7 +98,7 @@ def test_engine_killed_mid_run_loses_and_duplicates_nothing(tmp_path):
                                                     "max_model_len: 4096, token_delay_s: 0.02}"})
     engines = start_engine_actors([{"kind": "replay", "kwargs": dict(cfg.engine.options), "replicas": 2, "num_cpus": 0}])
     info = ray.get(engines[0].info.remote())
-    svc = RendererService(cfg.model, out_dir=str(tmp_path / "out"))
+    svc = RendererService(cfg.model, out_dir=str(tmp_path / "out"), rows_per_file=3)
     env = make_env("try_again")
     tasks = env.generate_tasks(4, 0)
     driver = RolloutDriver(cfg, env, engines, [svc], info, svc.renderer)

@@ -46,6 +46,38 @@ from rollout.engines.protocol import (
     validate_request,
 )
 
+
+def local_vllm_problem() -> str | None:
+    """Why ``engine.backend: vllm`` cannot run on this machine (no vllm, no visible CUDA GPU), or None.
+    Checked before Ray starts: an engine actor asking for a GPU that no node has would wait forever."""
+    import importlib.util
+
+    problems = []
+    if importlib.util.find_spec("vllm") is None:
+        problems.append("vllm is not installed: pip install 'tito[vllm]' (on a machine with a CUDA GPU)")
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        cuda = False
+    if not cuda:
+        problems.append("engine.backend=vllm needs a CUDA GPU; none visible (torch.cuda.is_available() is False)")
+    return "; ".join(problems) or None
+
+
+def cluster_gpu_problem(count: int, num_gpus: float | None) -> str | None:
+    """Why the joined Ray cluster cannot place ``count`` vLLM engines of ``num_gpus`` GPUs each, or None."""
+    import ray
+
+    need = count * (1.0 if num_gpus is None else num_gpus)
+    have = ray.cluster_resources().get("GPU", 0.0)
+    if have < need:
+        return (f"engine.backend=vllm needs {need:g} GPU(s) for {count} engine(s); the Ray cluster has {have:g} "
+                "(engines would wait for a GPU forever)")
+    return None
+
+
 _FORCED_ARGS: dict[str, Any] = {
     "skip_tokenizer_init": True,
     "enable_prefix_caching": True,
