@@ -1,37 +1,42 @@
-"""Run untrusted Python in a subprocess with a wall-clock timeout, resource limits and no network.
+"""Run untrusted Python in a sandboxed subprocess: no network, no view of the host, an unprivileged user,
+resource limits, a wall-clock timeout, and nothing left running afterwards.
 
-What :func:`run_python` does, and what each guarantee relies on:
+What :func:`run_python` does, and what each guarantee relies on (details: docs/environments.md):
 
-- **Process.** ``sys.executable -I -u -c BOOTSTRAP``; the code arrives on stdin (no argv size limit, nothing
-  in ``ps``). ``-I`` (isolated mode) ignores ``PYTHON*`` environment variables, the user site directory and
-  the current directory on ``sys.path``. The environment is replaced by a minimal one (``PATH``, ``LANG``,
-  ``HOME`` = the work directory), so nothing of the service's environment (tokens, credentials) leaks in.
-  The working directory is a fresh temporary directory, deleted afterwards.
-- **No network.** Before running the code, the bootstrap moves its own process into a new, empty network
-  namespace with ``unshare(CLONE_NEWNET)`` (via ctypes: ``os.unshare`` is Python 3.12+). The namespace
-  has only a loopback interface, and it is down: every ``connect`` fails, including to 127.0.0.1 of the
-  host, and DNS fails. This needs CAP_SYS_ADMIN (root, as on our machines); without it the bootstrap
-  tries ``CLONE_NEWUSER | CLONE_NEWNET`` (an unprivileged user namespace, where the kernel allows them).
-  If both fail, the bootstrap exits *before* running the code (it reports this on a header line the code
-  cannot forge) and :func:`run_python` raises :class:`SandboxUnavailable` — unless
-  ``network="best_effort"`` (run anyway, flagged in the result) or ``network="allowed"`` (no isolation
-  attempted).
-- **Limits** (``resource.setrlimit`` in the bootstrap, after the unshare and before the code):
-  ``RLIMIT_AS`` (address space: allocations beyond it raise ``MemoryError``), ``RLIMIT_CPU`` (CPU seconds,
-  SIGXCPU/SIGKILL), ``RLIMIT_FSIZE`` (largest file written), ``RLIMIT_CORE`` = 0. The wall-clock timeout
-  is enforced by the parent: the child runs in its own session and the whole process group is SIGKILLed
-  on timeout (and after a normal exit, to end anything it left running in the background). A process
-  that leaves the group (``setsid``) survives that kill, but cannot hang the call (pipes are drained for
-  at most a second after the kill) and keeps the inherited limits and the empty network namespace.
-- **Output.** stdout and stderr are read as they come; only the first ``max_output_bytes`` of each are
-  kept (the rest is drained and counted), so a print loop cannot exhaust the service's memory.
+- **Process.** ``sys.executable -I -u -c BOOTSTRAP`` (``sandbox_init.py``); the code arrives on stdin (no
+  argv size limit, nothing in ``ps``). ``-I`` ignores ``PYTHON*`` variables, the user site directory and the
+  current directory. The environment is replaced by a minimal one (``PATH``, ``LANG``, ``HOME``), so nothing
+  of the service's environment (tokens, credentials) leaks in.
+- **Namespaces** (``network="isolated"``, the default). The bootstrap moves the code into new user, mount,
+  pid, network, IPC and UTS namespaces (``unshare`` via ctypes; no external binary). The network namespace
+  has only a loopback interface, down: every ``connect`` fails, the host's 127.0.0.1, its abstract Unix
+  sockets (Ray's) and DNS included. The pid namespace holds only the sandbox: host processes, their
+  ``/proc/<pid>/environ`` and ``/proc/<pid>/ns/*`` do not exist there; the code's parent is the sandbox's pid 1.
+- **File system.** A fresh root: read-only binds of ``/usr`` (and the merged-/usr links) and of the Python
+  installation (the interpreter's prefix and the venv), a fresh ``/proc``, a minimal ``/dev`` (null, zero,
+  full, random, urandom, shm), a private ``/etc`` (the sandbox's own ``passwd``/``group``/``hosts``) and a
+  private tmpfs ``/tmp`` (``disk_mb``) holding the work directory (cwd and ``HOME``). Everything else of the
+  host (``/etc``, ``/home``, ``/root``, this repository, other Unix sockets, ``/sys``) is absent, the root is
+  read-only, and the tmpfs vanishes with the sandbox.
+- **Privileges.** The code runs as uid/gid 1000 of the user namespace, mapped to host ``nobody`` when the
+  service is root (its own uid otherwise), with every capability dropped (bounding set included) and
+  no_new_privs, so it cannot ``setns`` back, mount, or gain privileges through setuid files.
+- **Limits** (``resource.setrlimit``, before the code): ``RLIMIT_AS`` (allocations beyond it raise
+  ``MemoryError``), ``RLIMIT_CPU`` (SIGXCPU/SIGKILL), ``RLIMIT_FSIZE`` (largest file), ``RLIMIT_CORE`` = 0,
+  and ``RLIMIT_NPROC`` (``max_processes``, threads included; the kernel counts it per user namespace and uid,
+  so it counts exactly this run's processes, and it binds because the uid is not host root).
+- **Nothing outlives the call.** The code runs as the child of the sandbox's pid 1; when it ends, pid 1 ends,
+  and the kernel kills everything else in the pid namespace (``setsid`` and double-forked children
+  included) before the call returns. On timeout or cancellation, pid 1 is SIGKILLed (same effect) and the
+  whole process group too.
+- **Output.** stdout and stderr are read as they come; only the first ``max_output_bytes`` of each are kept
+  (the rest is drained and counted), so a print loop cannot exhaust the service's memory.
 
-The limits are set inside the child by the bootstrap rather than in ``preexec_fn``, because ``preexec_fn``
-is not safe in a process with threads (Ray workers have several): the forked child can deadlock before exec.
-
-Not covered: the filesystem is the host's (readable as the service's user; writes are limited in size, not
-in place), and the number of processes is not limited (``RLIMIT_NPROC`` does not apply to root); a
-container or a dedicated user is the place for that. See docs/environments.md.
+The bootstrap reports how isolation went on a header line, before the code runs (so the code cannot forge
+it). Without isolation (``SandboxUnavailable`` unless ``network`` is ``"best_effort"`` or ``"allowed"``), the
+code runs as the service's user on the host file system, as before: only the rlimits, the process group kill
+and the minimal environment apply. The limits are set inside the child rather than in ``preexec_fn``,
+because ``preexec_fn`` is not safe in a process with threads (Ray workers have several).
 """
 
 from __future__ import annotations
@@ -42,60 +47,28 @@ import signal
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Literal
 
 import msgspec
 
+from . import sandbox_init
+from .sandbox_init import HEADER
+
 NetworkPolicy = Literal["isolated", "best_effort", "allowed"]
 
-_CLONE_NEWNET = 0x40000000
-_CLONE_NEWUSER = 0x10000000
 # The bootstrap writes one header line to stdout before the untrusted code runs, so the first line of
 # stdout is always its own: how isolation went. The code cannot forge it (it runs after), and the parent
-# strips it. "tito-sandbox:" + one of: isolated | allowed | not-isolated <errno text> | refused <errno text>
-_HEADER = b"tito-sandbox:"
-_HEADER_ROOM = 256
+# strips it. "tito-sandbox:" + one of: isolated | allowed | not-isolated <error> | refused <error>
+_HEADER = HEADER.encode()
+_HEADER_ROOM = 1024
 # after the process group is killed, how long to wait for the pipes to close and the exit status to arrive
 _DRAIN_S = 1.0
 
-# Runs in the child, before the untrusted code: read the code, isolate, limit, then execute the code as
-# __main__ with fresh globals. argv: [-c, policy, memory_bytes, cpu_s, fsize_bytes].
-_BOOTSTRAP = f"""
-import os, sys
-code = sys.stdin.read()
-policy, memory, cpu, fsize = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-status = "allowed"
-if policy != "allowed":
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare({_CLONE_NEWNET}) == 0 or libc.unshare({_CLONE_NEWNET} | {_CLONE_NEWUSER}) == 0:
-        status = "isolated"
-    else:
-        error = os.strerror(ctypes.get_errno())
-        if policy == "isolated":
-            os.write(1, ("{_HEADER.decode()}refused " + error + "\\n").encode())
-            os._exit(0)
-        status = "not-isolated " + error
-    del ctypes, libc
-os.write(1, ("{_HEADER.decode()}" + status + "\\n").encode())
-import resource
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-sys.stdin = open(os.devnull)
-del sys.argv[1:]
-sys.argv[0] = "<tool>"
-try:
-    exec(compile(code, "<tool>", "exec"), {{"__name__": "__main__", "__builtins__": __builtins__}})
-except SystemExit:
-    raise
-except BaseException:
-    import traceback
-    kind, value, tb = sys.exc_info()
-    traceback.print_exception(kind, value, tb.tb_next)  # without the bootstrap's own frame
-    sys.exit(1)
-"""
+# Runs as the child, before the untrusted code: read the code, isolate, limit, then execute the code as
+# __main__ with fresh globals (see sandbox_init.py). Its source is read once here and passed with -c, so the
+# child needs no path of this repository.
+_BOOTSTRAP = Path(sandbox_init.__file__).read_text()
 
 
 class SandboxUnavailable(RuntimeError):
@@ -176,6 +149,31 @@ async def _exited(process: asyncio.subprocess.Process, timeout_s: float) -> bool
         waiter.cancel()
 
 
+def _init_pid(header: bytes) -> int | None:
+    """The host pid of the sandbox's pid 1, from the header line (complete or not yet there)."""
+    line, newline, _ = header.partition(b"\n")
+    words = line.removeprefix(_HEADER).split()
+    if newline and line.startswith(_HEADER) and len(words) == 2 and words[0] == b"isolated" and words[1].isdigit():
+        return int(words[1])
+    return None
+
+
+def _kill_init(pid: int) -> None:
+    """SIGKILL the sandbox's pid 1: the kernel then kills every process in its pid namespace, and the call's
+    own process exits only once they are all gone. Through a pidfd, and only while the call's process is
+    still running (so the sandbox's parent has not reaped pid 1, and its number cannot have been reused)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -192,6 +190,8 @@ async def run_python(
     max_output_bytes: int = 8192,
     max_file_mb: int = 64,
     network: NetworkPolicy = "isolated",
+    max_processes: int = 128,
+    disk_mb: int = 256,
 ) -> SandboxResult:
     """Run ``code`` in a sandboxed subprocess (see the module docstring) and return what it printed.
 
@@ -199,16 +199,18 @@ async def run_python(
     time as fast as wall time, and at an equal limit SIGXCPU raced the wall-clock timeout, so a timed-out
     run was sometimes reported as a CPU kill. The CPU limit stays the backstop for code that burns CPU on
     several threads faster than the clock runs. Never raises for anything the code does (a crash, a
-    timeout, a limit hit: all are in the result); raises :class:`SandboxUnavailable` when ``network`` is
-    ``"isolated"`` and no network namespace can be created, and :class:`OSError` when the interpreter
-    cannot be started.
+    timeout, a limit hit: all are in the result); raises :class:`SandboxUnavailable` (naming the step that
+    failed) when ``network`` is ``"isolated"`` and the sandbox cannot be built, and :class:`OSError` when
+    the interpreter cannot be started. ``max_processes`` bounds the code's processes and threads together
+    (its own included); ``disk_mb`` sizes the private ``/tmp`` (and ``/dev/shm``), which live in memory.
     """
     cpu = cpu_s if cpu_s is not None else max(1, int(-(-timeout_s // 1))) + 1
     start = time.monotonic()
     # ignore_cleanup_errors: a process that escaped the kill may still be writing in the directory
     with tempfile.TemporaryDirectory(prefix="tito-sandbox-", ignore_cleanup_errors=True) as workdir:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir}
-        args = [str(memory_mb * 2**20), str(cpu), str(max_file_mb * 2**20)]
+        limits = (memory_mb * 2**20, cpu, max_file_mb * 2**20, max_processes, disk_mb * 2**20)
+        args = [*(str(n) for n in limits), workdir]
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-I",  # isolated mode: no PYTHON* variables, no user site, no cwd on sys.path
@@ -237,7 +239,14 @@ async def run_python(
             process.stdin.close()
             timed_out = not await _exited(process, timeout_s)
         finally:
-            # also on cancellation: never leave a child (or its children) running
+            # also on cancellation: never leave a child (or its children) running. In the sandbox, kill its
+            # pid 1 and wait for the call's process: it exits when the whole pid namespace is gone, so no
+            # process of the code outlives the call, not even one that left the process group. Then (and
+            # without the sandbox: only) the process group.
+            init = _init_pid(bytes(out_capture.kept[:_HEADER_ROOM])) if process.returncode is None else None
+            if init is not None:
+                _kill_init(init)
+                await _exited(process, _DRAIN_S)
             _kill_group(process.pid)
             # Bounded waits: a process that left the group (setsid) and still holds the pipes must not hang
             # the rollout. What was read so far is kept; the runaway is still bound by the rlimits it inherited.
@@ -259,9 +268,10 @@ async def run_python(
     status = header[len(_HEADER) :].decode("utf-8", errors="replace")
     if status.startswith("refused"):
         raise SandboxUnavailable(
-            f"sandbox: cannot create a network namespace (unshare: {status.removeprefix('refused ')}). Run as "
-            "root / with CAP_SYS_ADMIN or enable unprivileged user namespaces, or set network='best_effort' or "
-            "'allowed' to run without network isolation. The code was not run."
+            f"sandbox: cannot isolate the code ({status.removeprefix('refused ')}). The sandbox needs user "
+            "namespaces (run as root, or allow unprivileged ones: sysctl user.max_user_namespaces > 0, "
+            "kernel.unprivileged_userns_clone=1 where that exists, no AppArmor/container policy denying them); "
+            "or set network='best_effort' or 'allowed' to run without isolation. The code was not run."
         )
     # the header's room was read on top of the cap: re-apply the cap to what the code printed
     out_dropped += max(0, len(out) - max_output_bytes)
@@ -273,5 +283,5 @@ async def run_python(
         duration_s=time.monotonic() - start,
         stdout_truncated=out_dropped,
         stderr_truncated=err_dropped,
-        network_isolated=status == "isolated",
+        network_isolated=status.startswith("isolated"),
     )
