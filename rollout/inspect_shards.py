@@ -1,17 +1,18 @@
 """``tito inspect PATH``: what a shard directory (or file) holds, and one sample with its trainable
-tokens highlighted (ANSI in a terminal, or an HTML page)."""
+tokens highlighted (ANSI in a terminal, plain marks in a pipe), or an HTML viewer (rollout/viewer.py)."""
 
 from __future__ import annotations
 
-import html
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
 import pyarrow.compute as pc
 
 from .data import open_shards, shard_files
+from .progress import use_color
 
 
 def _open(path: str | Path):
@@ -68,40 +69,36 @@ def _pieces(row: dict, tokenizer) -> list[tuple[str, bool]]:
     return out
 
 
-def render_terminal(row: dict, tokenizer) -> str:
+def render_terminal(row: dict, tokenizer, color: bool = True) -> str:
+    """The sample as text: trainable runs on green with ``color``, else between ``[[`` and ``]]`` (a pipe,
+    a log or ``NO_COLOR`` gets no escape codes)."""
     head = (f"rollout {row['rollout_id']}  segment {row['segment_index'] + 1}/{row['segment_count']}  "
             f"reward {row['reward']:.3f}  advantage {row['advantage']:.3f}  finish {row['finish_reason']}\n"
-            "trainable tokens in green\n\n")
-    body = "".join(f"\x1b[42;30m{text}\x1b[0m" if trainable else text for text, trainable in _pieces(row, tokenizer))
+            + ("trainable tokens in green\n\n" if color else "trainable tokens between [[ and ]]\n\n"))
+    on, off = ("\x1b[42;30m", "\x1b[0m") if color else ("[[", "]]")
+    body = "".join(f"{on}{text}{off}" if trainable else text for text, trainable in _pieces(row, tokenizer))
     breaks = json.loads(row["breaks"])
     tail = "\n\nbreaks: " + (", ".join(f"turn {b['turn']} {b['reason']}" for b in breaks) if breaks else "none")
     return head + body + tail
 
 
-def render_html(row: dict, tokenizer) -> str:
-    spans = "".join(
-        f'<span class="{"t" if trainable else "c"}">{html.escape(text)}</span>' for text, trainable in _pieces(row, tokenizer)
-    )
-    title = html.escape(f"rollout {row['rollout_id']} segment {row['segment_index'] + 1}/{row['segment_count']}")
-    return (
-        "<!doctype html><meta charset=utf-8><title>tito sample</title><style>"
-        "body{font-family:sans-serif;margin:2em}pre{white-space:pre-wrap;font-size:14px}"
-        ".t{background:#b7f0b1}.c{color:#555}</style>"
-        f"<h1>{title}</h1><p>reward {row['reward']:.3f} · advantage {row['advantage']:.3f} · finish "
-        f"{html.escape(row['finish_reason'])} · <span class=t>trainable</span> / <span class=c>context</span></p>"
-        f"<pre>{spans}</pre>"
-    )
-
-
-def inspect(path: str | Path, *, sample: int = 0, html_out: str | None = None, tokenizer=None) -> str:
-    """The summary text, plus the sample rendered for the terminal (or written as HTML)."""
+def inspect(path: str | Path, *, sample: int = 0, html_out: str | None = None, tokenizer=None, limit: int = 200,
+            color: bool | None = None) -> str:
+    """The summary text, plus the sample rendered for the terminal (``color``: default, only when stdout
+    is a terminal and NO_COLOR is unset), or ``limit`` samples from ``sample`` written as an HTML viewer
+    (rollout/viewer.py; token ids instead of text without a tokenizer)."""
     summary = summarize(path)
     lines = [f"  {k:<28} {v}" for k, v in summary.items()]
     text = "shards: " + str(path) + "\n" + "\n".join(lines)
+    if html_out:
+        from .viewer import write_viewer
+
+        n = write_viewer(path, html_out, start=sample, limit=limit, tokenizer=tokenizer)
+        ids_only = "" if tokenizer is not None else " (no tokenizer: token ids shown)"
+        return text + f"\n\n{n} samples from row {sample} written to {html_out}{ids_only}"
     if tokenizer is None:
         return text
     row = _sample(path, sample)
-    if html_out:
-        Path(html_out).write_text(render_html(row, tokenizer), encoding="utf-8")
-        return text + f"\n\nsample {sample} written to {html_out}"
-    return text + "\n\n" + render_terminal(row, tokenizer)
+    if color is None:
+        color = use_color(sys.stdout)
+    return text + "\n\n" + render_terminal(row, tokenizer, color)
