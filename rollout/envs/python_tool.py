@@ -57,8 +57,8 @@ class PythonEnv(Environment):
 
     Each tool-calling turn gets one tool message per call (status line, stdout, stderr); the rollout ends at
     the first turn without a tool call or after ``max_tool_turns`` tool-calling turns. Scored like
-    ``arithmetic`` on the last assistant content. Calls within one turn run one after another (a later call
-    may rely on a file an earlier one wrote); concurrent rollouts run concurrently.
+    ``arithmetic`` on the last assistant content. Calls within one turn run one after another, each in a fresh
+    sandbox (its own /tmp: no file survives from one call to the next); concurrent rollouts run concurrently.
     :class:`~rollout.envs.sandbox.SandboxUnavailable` propagates: without the isolation asked for, the
     rollout must fail, not train on a tool that silently had the network. :meth:`check` finds that out at
     startup.
