@@ -64,6 +64,9 @@ _HEADER = HEADER.encode()
 _HEADER_ROOM = 1024
 # after the process group is killed, how long to wait for the pipes to close and the exit status to arrive
 _DRAIN_S = 1.0
+# after the sandbox's pid 1 is killed, how long to wait for the kernel to end the rest of its pid namespace (a
+# fork bomb's 128 processes take ~0.5 s on a loaded 2-core machine); past it, the process group is killed anyway
+_TEARDOWN_S = 5.0
 
 # Runs as the child, before the untrusted code: read the code, isolate, limit, then execute the code as
 # __main__ with fresh globals (see sandbox_init.py). Its source is read once here and passed with -c, so the
@@ -246,7 +249,7 @@ async def run_python(
             init = _init_pid(bytes(out_capture.kept[:_HEADER_ROOM])) if process.returncode is None else None
             if init is not None:
                 _kill_init(init)
-                await _exited(process, _DRAIN_S)
+                await _exited(process, _TEARDOWN_S)
             _kill_group(process.pid)
             # Bounded waits: a process that left the group (setsid) and still holds the pipes must not hang
             # the rollout. What was read so far is kept; the runaway is still bound by the rlimits it inherited.

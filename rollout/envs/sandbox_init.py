@@ -98,13 +98,19 @@ def _mount(libc, source: str | None, target: str, fstype: str | None, flags: int
     _check(f"mount {fstype or source or 'flags'} on {target}", result)
 
 
+def _unescape(field: bytes) -> str:
+    import re
+
+    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), field))
+
+
 def _bind_read_only(libc, source: str, target: str) -> None:
     """Bind ``source`` (and the mounts below it) at ``target``, every one of them read-only. Flags the host
     set on a mount (noexec, atime) are kept: a user namespace may not clear them, only add to them."""
     os.makedirs(target, exist_ok=True)
     _mount(libc, source, target, None, _MS_BIND | _MS_REC)
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4].encode().decode("unicode_escape") for line in f]
+    with open("/proc/self/mountinfo", "rb") as f:  # mount points with space, tab, newline, \\ octal-escaped
+        points = [_unescape(line.split()[4]) for line in f]
     for point in points:
         if point == target or point.startswith(target.rstrip("/") + "/"):
             flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
@@ -299,6 +305,8 @@ def _isolate(code: str, limits: tuple[int, int, int, int], workdir: str, disk: i
                     messages.append(f"error write uid/gid maps: {error.strerror}")
                     os.write(go_w, b"failed")
     os.waitpid(child, 0)
+    os.close(report_r)  # (the code may yet run in this process: best_effort)
+    os.close(go_w)
     errors = [m.removeprefix("error ") for m in messages if m.startswith("error ")]
     if errors:
         return errors[0]
