@@ -34,7 +34,7 @@ class PythonOptions(EnvOptions):
     max_file_mb: int = pydantic.Field(16, ge=0, description="largest file the code may write (RLIMIT_FSIZE)")
     max_code_chars: int = pydantic.Field(20000, ge=1, description="longer code is refused with an error message")
     network: NetworkPolicy = pydantic.Field(
-        "isolated", description="isolated: refuse to run without a network namespace; best_effort; allowed"
+        "isolated", description="isolated: refuse to run outside the sandbox (namespaces); best_effort; allowed"
     )
     max_tool_turns: int = pydantic.Field(4, ge=0, description="assistant turns with tool calls before the end")
     format_weight: float = pydantic.Field(0.0, ge=0.0, description="reward += format_weight * format")
