@@ -138,7 +138,7 @@ main{padding:0 1.2em 2em}h2{font-size:15px;margin:.8em 0 .2em}.meta{margin:.2em 
 .err{color:#b00020;margin:.2em 0}
 pre.tokens{white-space:pre-wrap;word-break:break-word;font:13px/1.7 ui-monospace,Menlo,Consolas,monospace;
 background:#fff;border:1px solid #ddd;padding:.8em;margin:.4em 0}
-.t{border-radius:2px}.t:hover{outline:2px solid #333}
+.t{border-radius:2px}.t:hover,.t.pin{outline:2px solid #333}
 .sc{background:SCAFFOLD;color:#666}.sp{font-weight:700}
 .s{font-weight:700;border-bottom:2px solid #1a5fb4}
 .heat .t{background:transparent!important;color:#999}.heat .t.s{color:#000;border-bottom-color:transparent}
@@ -146,29 +146,36 @@ background:#fff;border:1px solid #ddd;padding:.8em;margin:.4em 0}
 .brk-start{background:#fde7ea;border-left:4px solid #b00020;padding:.3em .6em;margin:.3em 0}
 .legend .sw{display:inline-block;padding:0 6px;margin-right:4px;border-radius:3px;font-size:12px}
 .legend .sw.s{background:#fff}
+#heatkey{display:none;font-size:12px;color:#444}.heat #heatkey{display:inline}
+#heatkey i{display:inline-block;width:12px;height:12px;vertical-align:middle}
 #tip{position:fixed;display:none;background:#222;color:#fff;font:12px/1.4 ui-monospace,monospace;padding:6px 8px;
 border-radius:4px;pointer-events:none;white-space:pre;z-index:3;max-width:60em}
 """
 
 _JS = """
 const secs=[...document.querySelectorAll('section.sample')];const pick=document.getElementById('pick');
+const heat=document.getElementById('heat');const tip=document.getElementById('tip');
 let cur=0;
-function show(i){if(!secs.length)return;cur=Math.max(0,Math.min(secs.length-1,i));
-secs.forEach((s,k)=>s.hidden=k!==cur);pick.selectedIndex=cur;history.replaceState(null,'','#'+secs[cur].id);}
+function show(i,keep){if(!secs.length)return;cur=Math.max(0,Math.min(secs.length-1,i));
+secs.forEach((s,k)=>s.hidden=k!==cur);pick.selectedIndex=cur;if(!keep)history.replaceState(null,'','#'+secs[cur].id);}
 document.getElementById('prev').onclick=()=>show(cur-1);document.getElementById('next').onclick=()=>show(cur+1);
 pick.onchange=()=>show(pick.selectedIndex);
-document.getElementById('heat').onchange=e=>document.body.classList.toggle('heat',e.target.checked);
+heat.onchange=()=>document.body.classList.toggle('heat',heat.checked);
 document.addEventListener('keydown',e=>{if(e.target.tagName==='SELECT')return;
 if(e.key==='ArrowLeft')show(cur-1);if(e.key==='ArrowRight')show(cur+1);});
-const tip=document.getElementById('tip');
-document.addEventListener('mouseover',e=>{const t=e.target.closest('.t');if(!t){tip.style.display='none';return;}
-const roles=JSON.parse(t.closest('section').dataset.roles||'[]');const m=+t.dataset.m;
-const lp=t.dataset.lp;const lines=['id '+t.dataset.id+'   text '+JSON.stringify(t.textContent),
+function describe(t){const roles=JSON.parse(t.closest('section').dataset.roles||'[]');const m=+t.dataset.m;
+const lp=t.dataset.lp;return ['id '+t.dataset.id+'   text '+JSON.stringify(t.textContent),
 lp!==undefined?'logprob '+lp+'   p '+Math.exp(+lp).toFixed(3)+'   (sampled)':'context (not sampled)',
-(m<0?'template scaffolding':'message '+m+' ('+(roles[m]||'?')+')')+'   turn '+t.dataset.t];
-tip.textContent=lines.join('\\n');tip.style.display='block';});
+(m<0?'template scaffolding':'message '+m+' ('+(roles[m]||'?')+')')+'   turn '+t.dataset.t].join('\\n');}
+document.addEventListener('mouseover',e=>{const t=e.target.closest('.t');if(!t){tip.style.display='none';return;}
+tip.textContent=describe(t);tip.style.display='block';});
 document.addEventListener('mousemove',e=>{tip.style.left=(e.clientX+14)+'px';tip.style.top=(e.clientY+14)+'px';});
-const start=secs.findIndex(s=>'#'+s.id===location.hash);show(start<0?0:start);
+// the address: #s<row>[/t<token>][/heat] selects a sample, pins the hover box on a token, turns the heat on
+const parts=location.hash.slice(1).split('/');const at=secs.findIndex(s=>s.id===parts[0]);show(at<0?0:at,true);
+if(parts.includes('heat')){heat.checked=true;document.body.classList.add('heat');}
+const pin=parts.find(p=>/^t[0-9]+$/.test(p));const pinned=pin&&secs[cur].querySelectorAll('.t')[+pin.slice(1)];
+if(pinned){pinned.classList.add('pin');pinned.scrollIntoView({block:'center'});const r=pinned.getBoundingClientRect();
+tip.textContent=describe(pinned);tip.style.display='block';tip.style.left=r.left+'px';tip.style.top=(r.bottom+6)+'px';}
 """
 
 
@@ -176,6 +183,12 @@ def _css() -> str:
     rules = [f".m{k}{{background:{c}}}" for k, c in enumerate(PALETTE)]
     rules += [f".heat .t.s.h{k}{{background:{c}!important}}" for k, c in enumerate(HEAT)]
     return _CSS.replace("SCAFFOLD", SCAFFOLD) + "\n".join(rules)
+
+
+def _heat_key() -> str:
+    """The heat scale, shown only while the heat is on."""
+    cells = "".join(f'<i style="background:{c}"></i>' for c in HEAT)
+    return f'<span id=heatkey>p 0 {cells} 1</span>'
 
 
 def render_page(rows: list[tuple[int, dict]], tokenizer: Any | None, source: str, total: int) -> str:
@@ -192,7 +205,7 @@ def render_page(rows: list[tuple[int, dict]], tokenizer: Any | None, source: str
         "<!doctype html><html lang=en><head><meta charset=utf-8><title>tito samples</title>"
         f"<style>{_css()}</style></head><body>"
         f"<header><h1>tito · {html.escape(source)}</h1><button id=prev>◀ prev</button><select id=pick>{options}</select>"
-        f"<button id=next>next ▶</button><label><input type=checkbox id=heat> logprob heat</label>"
+        f"<button id=next>next ▶</button><label><input type=checkbox id=heat> logprob heat</label>{_heat_key()}"
         f"<span class=meta>{shown}{decoded} · hover a token for its id and logprob</span></header>"
         f"<main>{sections or '<p>no samples</p>'}</main><div id=tip></div><script>{_JS}</script></body></html>"
     )

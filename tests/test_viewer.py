@@ -104,7 +104,7 @@ def shards(tmp_path_factory):
 def page(shards, tmp_path_factory):
     out, _ = shards
     html_file = tmp_path_factory.mktemp("html") / "view.html"
-    assert write_viewer(out, html_file, tokenizer=ours(QWEN3)) == 2
+    assert write_viewer(out, html_file, tokenizer=ours(QWEN3)) == 2  # loaded once per session, as in tito
     source = html_file.read_text(encoding="utf-8")
     parsed = Page()
     parsed.feed(source)
