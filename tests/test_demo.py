@@ -36,4 +36,5 @@ def test_demo_run_and_inspect(tmp_path):
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "trainable_fraction" in shown.stdout
-    assert 'class="t"' in (tmp_path / "s.html").read_text()
+    page = (tmp_path / "s.html").read_text()  # the viewer: every sample, sampled tokens marked (tests/test_viewer.py)
+    assert page.count('<section class="sample"') == len(rows) and 'class="t m1 s h' in page
