@@ -116,3 +116,80 @@ def test_engine_killed_mid_run_loses_and_duplicates_nothing(tmp_path):
     firsts = [r["rollout_id"] for r in _rows(tmp_path / "out") if r["segment_index"] == 0]
     assert sorted(firsts) == sorted(o.rollout_id for o in outcomes) and len(set(firsts)) == 8
     ray.kill(engines[1])
+
+
+def _old_layout(out, cfg, files: dict[str, list[dict]]) -> None:
+    """An output directory as schema 1 wrote it: shard-*.arrow at the top, no sampling columns, and a
+    manifest.json without the config."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    from renderers import create_renderer, load_tokenizer
+    from rollout.shards import SAMPLING_COLUMNS, SCHEMA
+
+    from .test_data import synthetic_row
+
+    sha = create_renderer(load_tokenizer(cfg.model)).template_sha256
+    old = pa.schema([f for f in SCHEMA if f.name not in SAMPLING_COLUMNS])
+    out.mkdir(parents=True)
+    for name, specs in files.items():
+        rows = [dict(synthetic_row(i), model=cfg.model, template_sha256=sha, **spec) for i, spec in enumerate(specs)]
+        table = pa.Table.from_pylist([{k: r[k] for k in old.names} for r in rows], schema=old)
+        with pa.OSFile(str(out / name), "wb") as sink, ipc.new_file(sink, old) as w:
+            w.write_table(table)
+    (out / "manifest.json").write_text(json.dumps({"schema_version": "1", "files": [], "rows": 0}))
+
+
+def test_resume_repairs_split_and_duplicated_groups_of_the_old_layout(tmp_path):
+    """Schema 1 wrote per 1024 rows, so a group could straddle two files; a crash then a resume left
+    partial groups and rollouts written twice with conflicting rewards. Resume removes those groups'
+    rows and reruns them whole: every task ends with exactly G rollouts, none twice."""
+    cfg = _config(tmp_path)
+    out = tmp_path / "out"
+    tasks = [t.task_id for t in make_env("try_again").generate_tasks(3, 0)]
+    partial, doubled, whole = tasks
+
+    def member(t, k, reward=1.0):
+        return {"task_id": t, "group_id": t, "rollout_id": f"{t}#{k}", "reward": reward, "segment_count": 1,
+                "breaks": "[]"}
+
+    _old_layout(out, cfg, {
+        # the whole group, and a group cut short at a file boundary
+        "shard-r0-00000.arrow": [member(whole, 0), member(whole, 1), member(partial, 0), member(doubled, 0)],
+        # a resume of schema 1 reran the straddling group: its first member again, another reward
+        "shard-r0-00001.arrow": [member(doubled, 1), member(doubled, 0, reward=9.0)],
+    })
+    summary = run(cfg, resume=True, progress=False)
+    assert summary["this_run"]["groups_rerun_after_repair"] == sorted([partial, doubled])
+    assert summary["this_run"]["rollouts"] == 4 and summary["this_run"]["skipped_tasks_resumed"] == 1
+    rows = _rows(out)
+    keys = [(r["rollout_id"], r["segment_index"]) for r in rows]
+    assert len(keys) == len(set(keys)), "a rollout segment is in the shards twice"
+    per_task = {t: {r["rollout_id"] for r in rows if r["task_id"] == t} for t in tasks}
+    assert all(ids == {f"{t}#0", f"{t}#1"} for t, ids in per_task.items()), per_task
+    assert 9.0 not in {r["reward"] for r in rows}
+    assert not (out / "shard-r0-00001.arrow").exists()  # only the repaired groups' rows were in it
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["rows"] == len(rows) == sum(f["rows"] for f in manifest["files"])
+    assert summary["rollouts"] == 6 and summary["tasks"] == 3
+
+
+def test_resume_with_other_sampling_is_an_error_before_anything_runs(tmp_path):
+    from rollout.outputs import ResumeMismatch, write_outputs
+    from rollout.shards import DATA_DIR, ShardWriter
+
+    from .test_data import synthetic_row
+
+    cfg = _config(tmp_path, **{"tasks.count": 1})
+    out = tmp_path / "out"
+    w = ShardWriter(out / DATA_DIR)
+    w.add([synthetic_row(0)])
+    w.close()
+    write_outputs(out, cfg.model_dump(mode="json"), {})
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    with pytest.raises(ResumeMismatch) as err:
+        run(_config(tmp_path, **{"tasks.count": 2, "sampling.temperature": 0.5, "sampling.top_k": 20}),
+            resume=True, progress=False)
+    assert "sampling.temperature: 1.0 -> 0.5" in str(err.value) and "sampling.top_k: 0 -> 20" in str(err.value)
+    assert "tasks.count" not in str(err.value)  # more tasks is what a resume is for
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before, "nothing may be written"
