@@ -338,3 +338,24 @@ def test_concurrent_runs_are_separate_sandboxes() -> None:
     assert time.monotonic() - start < 4.0  # one after another would take more than 8 x 0.5 s
     for i, result in enumerate(results):
         assert re.fullmatch(rf"\['mine', 'tito-sandbox-\w+'\] {i}\n", result.stdout), result.stderr
+
+
+def test_the_code_cannot_end_pid_1_or_reach_the_sandbox_pipes() -> None:
+    code = (
+        "import os, signal\n"
+        "# a guard, so that a broken sandbox never signals a real init: pid 1 must be the sandbox's bootstrap\n"
+        "assert b'tito-sandbox:' in open('/proc/1/cmdline', 'rb').read(), 'pid 1 is not the sandbox'\n"
+        "for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):\n"
+        "    os.kill(1, sig)  # pid 1 of a namespace ignores, from inside, every signal it has no handler for\n"
+        "pipes = []\n"
+        "for fd in sorted(map(int, os.listdir('/proc/self/fd'))):\n"
+        "    try:\n"
+        "        if os.readlink(f'/proc/self/fd/{fd}').startswith('pipe:'):\n"
+        "            pipes.append(fd)\n"
+        "    except FileNotFoundError:\n"
+        "        pass  # the listing's own descriptor, closed by now\n"
+        "print(pipes)\n"
+    )
+    result = run(code)
+    # only stdin/stdout/stderr are pipes: not the report pipe to P, nor the id-map handshake
+    assert (result.stdout, result.exit_code, result.network_isolated) == ("[0, 1, 2]\n", 0, True), result.stderr

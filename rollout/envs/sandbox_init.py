@@ -228,20 +228,26 @@ def _init(
     except BaseException as error:  # every failure is reported; none runs the code
         _say(report, f"error {error}" if isinstance(error, _Failed) else f"error setup: {error!r}")
         os._exit(1)
+    import signal
+
+    # Before the fork, so that no signal or ptrace from the code can come first: from inside its namespace,
+    # pid 1 gets only the signals it handles, so with none (Python's SIGINT handler removed) the code can
+    # neither kill nor interrupt it; and not dumpable, so the code (same uid) cannot ptrace it and forge its
+    # report. The code's process gets both back.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     # the host pid lets run_python end the sandbox by killing pid 1, and know when all of it is gone
     os.write(1, f"{HEADER}isolated {host_pid}\n".encode())
     worker = os.fork()
     if worker == 0:
         os.close(report)
+        libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc/self stays its own
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         # RLIMIT_NPROC is counted per (user namespace, uid): exactly this run's processes and threads with the
         # code's uid, which are the code's plus I -- and C too when the service is not root (C has that uid)
         memory, cpu, fsize, nproc = limits
         _limit_and_run(code, memory, cpu, fsize, nproc + (1 if root_service else 2))
         sys.exit(0)
-    libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # the code (same uid) cannot ptrace pid 1 and forge its report
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 gets no signal it has no handler for: none at all
     while True:  # pid 1 reaps every orphan; it ends, and with it the namespace, when the code's process does
         try:
             pid, status = os.waitpid(-1, 0)
@@ -265,6 +271,7 @@ def _leave_host(report: int, go: int, code: str, limits: tuple[int, int, int, in
         _say(report, "unshared")
         if os.read(go, 16) != b"mapped":
             raise _Failed("uid/gid maps were not written")
+        os.close(go)
         init = os.fork()  # the first child in the new pid namespace is its pid 1
     except BaseException as error:
         _say(report, f"error {error}" if isinstance(error, _Failed) else f"error setup: {error!r}")
