@@ -300,7 +300,7 @@ class Llama31Renderer(LlamaHeaders):
         if self.python_tag_id in ids[:end]:
             k = ids.index(self.python_tag_id)
             content = decode(ids[:k]).strip()
-            calls.append(self._python_tag_call(decode(ids[k + 1 : end]), (k, call_end), tool_names))
+            calls.append(python_tag_call(decode(ids[k + 1 : end]), (k, call_end), tool_names))
         else:
             content = decode(ids[:end])
             if _JSON_CALL_START.match(content):
@@ -312,24 +312,6 @@ class Llama31Renderer(LlamaHeaders):
         return ParsedResponse(
             content=content, reasoning_content=None, tool_calls=calls, reasoning_complete=None, stop_token_id=stop
         )
-
-    def _python_tag_call(self, raw: str, span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
-        body = raw.strip()
-        if body.startswith("{"):
-            return parse_json_call(raw, span, tool_names)
-        if not body:
-            return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "nothing follows <|python_tag|>")
-        m = _BUILTIN_CALL.fullmatch(body)
-        if m is None:  # Meta's format: bare code after <|python_tag|> is a code_interpreter call
-            name, args, error = "code_interpreter", {"code": body}, _python_error(body)
-        else:
-            name = m.group(1)
-            args, error = _call_keywords(m.group(2))
-        if error is not None:
-            return ToolCall(name, args, ToolCallStatus.INVALID_ARGUMENTS, span, raw, error)
-        if tool_names is not None and name not in tool_names and name not in BUILTIN_TOOLS:
-            return ToolCall(name, args, ToolCallStatus.UNKNOWN_TOOL, span, raw, f"no tool named {name!r} was offered")
-        return ToolCall(name, args, ToolCallStatus.OK, span, raw)
 
 
 class Llama32Renderer(Llama31Renderer):
@@ -344,6 +326,27 @@ class Llama32Renderer(Llama31Renderer):
     def __init__(self, tokenizer: Tokenizer, **kwargs: Any) -> None:
         super().__init__(tokenizer, **kwargs)
         self.default_date = datetime.now().strftime("%d %b %Y")  # the template's strftime_now("%d %b %Y")
+
+
+def python_tag_call(raw: str, span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
+    """What follows ``<|python_tag|>``: a JSON call, a builtin ``name.call(k="v")``, or (Meta's format) code
+    for ``code_interpreter``. Also the Llama 3 JSON dialect's (renderers/dialects/llama3_json.py)."""
+    body = raw.strip()
+    if body.startswith("{"):
+        return parse_json_call(raw, span, tool_names)
+    if not body:
+        return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "nothing follows <|python_tag|>")
+    m = _BUILTIN_CALL.fullmatch(body)
+    if m is None:  # Meta's format: bare code after <|python_tag|> is a code_interpreter call
+        name, args, error = "code_interpreter", {"code": body}, _python_error(body)
+    else:
+        name = m.group(1)
+        args, error = _call_keywords(m.group(2))
+    if error is not None:
+        return ToolCall(name, args, ToolCallStatus.INVALID_ARGUMENTS, span, raw, error)
+    if tool_names is not None and name not in tool_names and name not in BUILTIN_TOOLS:
+        return ToolCall(name, args, ToolCallStatus.UNKNOWN_TOOL, span, raw, f"no tool named {name!r} was offered")
+    return ToolCall(name, args, ToolCallStatus.OK, span, raw)
 
 
 def _python_error(code: str) -> str | None:
