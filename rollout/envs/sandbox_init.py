@@ -99,9 +99,9 @@ def _mount(libc, source: str | None, target: str, fstype: str | None, flags: int
 
 
 def _unescape(field: bytes) -> str:
-    import re
-
-    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), field))
+    for escaped, char in ((b"\\040", b" "), (b"\\011", b"\t"), (b"\\012", b"\n"), (b"\\134", b"\\")):
+        field = field.replace(escaped, char)  # the only characters the kernel escapes there ("\\" last)
+    return os.fsdecode(field)
 
 
 def _bind_read_only(libc, source: str, target: str) -> None:
@@ -180,11 +180,9 @@ def _build_root(libc, new_root: str, workdir: str, disk: int) -> None:
 
 def _enter(ctypes, libc, new_root: str) -> None:
     """pivot_root into the new root, detach the host's, and make the root and /dev read-only."""
-    import platform
-
-    numbers = _SYSCALLS.get(platform.machine())
+    numbers = _SYSCALLS.get(os.uname().machine)  # (os.uname rather than platform: importing that costs ms)
     if numbers is None:
-        raise _Failed(f"pivot_root: unsupported architecture {platform.machine()}")
+        raise _Failed(f"pivot_root: unsupported architecture {os.uname().machine}")
     os.chdir(new_root)
     _check("pivot_root", libc.syscall(numbers["pivot_root"], b".", b"."))  # the old root ends up on top ...
     _check("detach the host root", libc.umount2(b".", _MNT_DETACH))  # ... and is detached from there
@@ -197,8 +195,6 @@ def _enter(ctypes, libc, new_root: str) -> None:
 def _drop_privileges(ctypes, libc, root_service: bool) -> None:
     """No capabilities (bounding, ambient, effective, permitted, inheritable), no way to gain any (no_new_privs:
     setuid binaries and file capabilities do nothing), and the unprivileged uid/gid."""
-    import platform
-
     with open("/proc/sys/kernel/cap_last_cap") as f:
         last = int(f.read())
     for cap in range(last + 1):
@@ -209,7 +205,7 @@ def _drop_privileges(ctypes, libc, root_service: bool) -> None:
         os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)  # leaving uid 0 also clears the capability sets
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2 words: all empty
-    _check("capset", libc.syscall(_SYSCALLS[platform.machine()]["capset"], header, data))
+    _check("capset", libc.syscall(_SYSCALLS[os.uname().machine]["capset"], header, data))
     _check("no_new_privs", libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
 
 
