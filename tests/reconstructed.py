@@ -22,6 +22,7 @@ tokenizer, both loaded from the same built directory.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -118,6 +119,9 @@ SPECS: dict[str, Spec] = {
     "kimi-k2-2507": Spec(template="moonshotai-Kimi-K2-Instruct-2507-07.jinja", **_KIMI),
     "minimax-m2": Spec(template="MiniMaxAI-MiniMax-M2.jinja", **_MINIMAX),
 }
+# Entries that differ only in their template share one built vocabulary (loading one costs seconds):
+# ``load`` gives each entry the shared tokenizers with its own template.
+VOCABULARY = {"glm-4.7-flash": "glm-4.6", "kimi-k2-2507": "kimi-k2"}
 
 
 def _cache_root() -> Path:
@@ -187,11 +191,23 @@ def build(name: str) -> Path:
 
 
 @functools.cache
-def load(name: str):
-    """``(ours, reference)`` for reconstructed tokenizer ``name``: renderers' Tokenizer and transformers'."""
+def _load_built(name: str):
     from transformers import AutoTokenizer
 
     import renderers
 
     path = build(name)
     return renderers.load_tokenizer(path), AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+@functools.cache
+def load(name: str):
+    """``(ours, reference)`` for reconstructed tokenizer ``name``: renderers' Tokenizer and transformers',
+    both carrying the entry's chat template (entries of one vocabulary share the loaded tokenizers)."""
+    if name not in VOCABULARY:
+        return _load_built(name)
+    tok, hf = _load_built(VOCABULARY[name])
+    template = (fixtures_dir() / "templates" / SPECS[name].template).read_text(encoding="utf-8")
+    hf = copy.copy(hf)  # shares the backend; only the template differs
+    hf.chat_template = template
+    return tok.with_chat_template(template, f"{tok.name_or_path} + {SPECS[name].template}"), hf

@@ -73,6 +73,7 @@ class Dialect:
     section: ClassVar[tuple[str, str] | None] = None
     restart: ClassVar[bool] = False  # a call's open inside a call ends that call (see scan_ids)
     string_arguments: ClassVar[bool] = False
+    several_per_block: ClassVar[bool] = False  # one call-marker pair holds several self-closed calls
     stops: ClassVar[tuple[str, ...]] = ()  # stop tokens when the caller gives none (with the tokenizer's EOS)
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -103,7 +104,10 @@ class Dialect:
         default this dialect's ``stops``). ``prompt_ids``: a prompt whose last turn opened reasoning
         (a generation prompt ending in ``<think>``) makes the completion start inside it."""
         offered = Offered.of(tools)
-        stops = self.stop_ids if stop_ids is None else stop_ids
+        # This format's own markers are structure, never a stop, whatever the caller's stop ids say (a
+        # template probe may take GLM's </tool_call>, the last token of a tool-call turn, for a stop).
+        structure = {*(self.think_ids or ()), *(self.call_ids or ()), *(self.section_ids or ())}
+        stops = frozenset(self.stop_ids if stop_ids is None else stop_ids) - structure
         ids = list(completion_ids)
         scan = scan_ids(
             ids,
@@ -117,12 +121,13 @@ class Dialect:
         calls: list[ToolCall] = []
         for start, end, closed in scan.calls:
             body = ids[start + 1 : end - 1 if closed else end]
-            for call in self.parse_block(body, (start, end), offered):
-                if not closed:
-                    call.status, call.error = ToolCallStatus.UNCLOSED, "the tool call ended before its close marker"
-                if self.types_arguments(call):
-                    call = type_call(call, offered.schemas)
-                calls.append(call)
+            block = self.parse_block(body, (start, end), offered)
+            last = block[-1]
+            # the last call of a block cut off is the one that was cut; where a block holds several calls
+            # with their own closing tags (MiniMax's </invoke>), only if its own structure is incomplete
+            if not closed and not (self.several_per_block and last.status is ToolCallStatus.OK):
+                last.status, last.error = ToolCallStatus.UNCLOSED, "the tool call ended before its close marker"
+            calls.extend(type_call(c, offered.schemas) if self.types_arguments(c) else c for c in block)
         decode = self.tokenizer.decode
         return ParsedResponse(
             content=decode(scan.content).strip(),
@@ -212,5 +217,8 @@ def dialect_named(name: str, tokenizer: Tokenizer) -> Dialect | None:
 
 # Dialect modules register themselves on import. Keep one line per module.
 from . import deepseek as deepseek  # noqa: E402
+from . import glm as glm  # noqa: E402
 from . import harmony as harmony  # noqa: E402
 from . import hermes as hermes  # noqa: E402
+from . import kimi as kimi  # noqa: E402
+from . import minimax as minimax  # noqa: E402
