@@ -6,10 +6,14 @@ sandboxed subprocesses; the host side (listening sockets, files, /proc) is real 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -359,3 +363,57 @@ def test_the_code_cannot_end_pid_1_or_reach_the_sandbox_pipes() -> None:
     result = run(code)
     # only stdin/stdout/stderr are pipes: not the report pipe to P, nor the id-map handshake
     assert (result.stdout, result.exit_code, result.network_isolated) == ("[0, 1, 2]\n", 0, True), result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to start a non-root service")
+def test_a_service_that_is_not_root_gets_the_same_sandbox() -> None:
+    # The service itself runs as host nobody here, so P cannot map other ids: the code's uid 1000 maps to the
+    # service's own. In a private mount namespace (unshare -m), the Python installation is made reachable for
+    # nobody (here it lives under /root, mode 0700) by binding it back over a tmpfs; nothing else changes.
+    prefix = os.path.realpath(sys.base_prefix)
+    blocked = next(
+        (a for a in reversed(Path(prefix).parents) if a != Path("/") and not os.stat(a).st_mode & 0o001), None
+    )
+    work = Path(tempfile.mkdtemp(prefix="tito-test-nonroot-"))  # (pytest's tmp_path is closed to nobody)
+    work.chmod(0o755)
+    stage = work / "stage"
+    script = ["set -e", "mount --make-rprivate /"]
+    if blocked is not None:  # e.g. /root: stage the prefix, cover the directory, bind the prefix back
+        script += [
+            f"mkdir -p {stage} && mount --bind {prefix} {stage}",
+            f"mount -t tmpfs -o mode=755 tmpfs {blocked}",
+            f"mkdir -p {prefix} && mount --bind {stage} {prefix}",
+        ]
+    probe = work / "probe.py"
+    probe.write_text(
+        "import asyncio, json, os\n"
+        "from rollout.envs.sandbox import run_python\n"
+        "code = '''import os\n"
+        "print(os.getuid(), os.getppid(), open('/proc/self/uid_map').read().split())\n"
+        "children = 0\n"
+        "try:\n"
+        "    while children < 64:\n"
+        "        if os.fork() == 0:\n"
+        "            import time; time.sleep(30); os._exit(0)\n"
+        "        children += 1\n"
+        "except OSError as e:\n"
+        "    print(children, e.strerror)\n"
+        "'''\n"
+        "result = asyncio.run(run_python(code, max_processes=16))\n"
+        "print(json.dumps([os.getuid(), result.stdout, result.network_isolated]))\n"
+    )
+    env = f"env -i PATH=/usr/bin:/bin PYTHONPATH={Path(__file__).resolve().parents[1]}"
+    script.append(f"cd / && exec setpriv --reuid=65534 --regid=65534 --clear-groups {env} {sys.executable} {probe}")
+    try:
+        done = subprocess.run(
+            ["unshare", "-m", "sh", "-c", "\n".join(script)], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert done.returncode == 0, done.stderr
+    service_uid, stdout, isolated = json.loads(done.stdout)
+    assert (service_uid, isolated) == (65534, True)
+    # inside: uid 1000, mapped to the service's 65534; the process limit still binds (one more of its processes,
+    # the one that entered the namespaces, shares the uid and is counted for it)
+    assert stdout == "1000 1 ['1000', '65534', '1']\n15 Resource temporarily unavailable\n"
