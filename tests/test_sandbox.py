@@ -366,7 +366,10 @@ def test_the_code_cannot_end_pid_1_or_reach_the_sandbox_pipes() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to start a non-root service")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("setpriv") and shutil.which("unshare")),
+    reason="needs root to start a non-root service",
+)
 def test_a_service_that_is_not_root_gets_the_same_sandbox() -> None:
     # The service itself runs as host nobody here, so P cannot map other ids: the code's uid 1000 maps to the
     # service's own. In a private mount namespace (unshare -m), the Python installation is made reachable for
