@@ -9,6 +9,7 @@ turns colour off everywhere; output that is not a terminal never gets colour or 
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -139,6 +140,7 @@ class Progress:
         self.start_time = time.perf_counter()
         if not self.enabled:
             return
+        atexit.register(self.finish)  # a run that raises must not leave the terminal's cursor hidden
         if self._console is not None:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress
@@ -179,6 +181,7 @@ class Progress:
         """Stop the bar (it stays on screen with the final figures) or print the last plain line."""
         if not self.enabled:
             return
+        atexit.unregister(self.finish)
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join(timeout=5)

@@ -64,9 +64,12 @@ def build_state(cfg: ServeConfig) -> tuple[ServerState, list[Any]]:
 def _uvicorn_config(app: Any, host: str, port: int, log_level: str) -> Any:
     import uvicorn
 
-    # backlog: a burst of hundreds of clients connecting at once must not be refused by the kernel
+    from ..progress import no_color
+
+    # backlog: a burst of hundreds of clients connecting at once must not be refused by the kernel;
+    # use_colors None: uvicorn colours its log only on a terminal, False: NO_COLOR is set
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False,
-                          backlog=4096, timeout_keep_alive=30)
+                          backlog=4096, timeout_keep_alive=30, use_colors=False if no_color() else None)
 
 
 def _shutdown(state: ServerState, actors: list[Any]) -> None:
