@@ -152,6 +152,19 @@ def test_no_color_turns_colour_off_on_a_terminal(monkeypatch, value):
     assert not _colours(text), _colours(text)[:5]
 
 
+def test_use_color_only_on_a_terminal_without_no_color(monkeypatch):
+    from rollout.progress import use_color
+
+    seen = []
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    _on_pty(lambda stream: seen.append(use_color(stream)))
+    monkeypatch.setenv("NO_COLOR", "1")
+    _on_pty(lambda stream: seen.append(use_color(stream)))
+    monkeypatch.setenv("NO_COLOR", "")  # empty: not set (no-color.org)
+    _on_pty(lambda stream: seen.append(use_color(stream)))
+    assert seen == [True, False, True] and not use_color(io.StringIO())
+
+
 def test_version_is_the_package_version():
     done = subprocess.run([sys.executable, "-m", "rollout.cli", "--version"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)

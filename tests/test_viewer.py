@@ -213,3 +213,14 @@ def test_tito_inspect_html_and_bad_sample(shards, tmp_path, capsys):
     bad = tmp_path / "bad.html"  # the same command line in this process: a clear error and no file
     assert main(["inspect", str(out), "--html", str(bad), "--sample", "7"]) == 2
     assert "sample 7 is out of range: the shards hold 2 rows" in capsys.readouterr().err and not bad.exists()
+
+
+def test_terminal_sample_has_no_ansi_outside_a_terminal(shards):
+    from rollout.inspect_shards import inspect
+
+    out, rows = shards
+    plain = inspect(out, sample=1, tokenizer=ours(QWEN3))  # stdout here is pytest's capture: not a terminal
+    assert "\x1b" not in plain and "trainable tokens between [[ and ]]" in plain
+    sampled = [t for t, m in zip(rows[1]["token_ids"], rows[1]["loss_mask"]) if m]
+    assert f"[[{ours(QWEN3).decode(sampled)}]]" in plain  # the one sampled run of segment 2, marked
+    assert "\x1b[42;30m" in inspect(out, sample=1, tokenizer=ours(QWEN3), color=True)
