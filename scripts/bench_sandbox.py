@@ -49,12 +49,13 @@ def load_old() -> object:
         capture_output=True,
         text=True,
     ).stdout
-    path = Path(tempfile.mkdtemp(prefix="bench-sandbox-")) / "old_sandbox.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("old_sandbox", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory(prefix="bench-sandbox-") as directory:  # only needed while importing
+        path = Path(directory) / "old_sandbox.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location("old_sandbox", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     return module
 
 
@@ -65,6 +66,12 @@ async def one(run, **options) -> float:  # noqa: ANN001 - either module's run_py
     if result.stdout != "1\n" or result.exit_code != 0:
         raise SystemExit(f"unexpected result: {result}")
     return elapsed
+
+
+async def mounts_inside() -> int:
+    """How many mounts the new sandbox builds: the lines of its own mountinfo."""
+    result = await sandbox.run_python("print(len(open('/proc/self/mountinfo').readlines()))")
+    return int(result.stdout)
 
 
 async def measure(repeats: int) -> dict[str, list[float]]:
@@ -83,7 +90,7 @@ async def measure(repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def report(times: dict[str, list[float]], repeats: int) -> str:
+def report(times: dict[str, list[float]], repeats: int, load: float, mounts: int) -> str:
     old_median = statistics.median(next(v for k, v in times.items() if k.startswith("old")))
     rows = []
     for name, values in times.items():
@@ -97,7 +104,8 @@ def report(times: dict[str, list[float]], repeats: int) -> str:
             "## Python sandbox: per-call overhead",
             "",
             f"Command: `.venv/bin/python scripts/bench_sandbox.py --repeats {repeats} --write docs/benchmarks.md`  ",
-            f"Machine: {machine}; {datetime.date.today().isoformat()}; run as root.",
+            f"Machine: {machine}; {datetime.date.today().isoformat()}; run as root; 1-minute load average "
+            f"{load:.1f} at the start (the machine is shared: read the ratios).",
             "",
             f'`run_python("print(1)")` round trip, {repeats} calls per path, interleaved; milliseconds.',
             "",
@@ -106,8 +114,8 @@ def report(times: dict[str, list[float]], repeats: int) -> str:
             *rows,
             "",
             "The new sandbox forks three more processes (one to enter the namespaces, the pid namespace's init, the "
-            "code's process) and builds the file system view (about twenty mounts) on every call; the interpreter "
-            "start-up that every path pays is the larger part of the round trip.",
+            f"code's process) and builds its file system view ({mounts} mounts, counted inside) on every call; the "
+            "interpreter start-up is paid by every path (first row).",
             END,
         ]
     )
@@ -118,8 +126,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--write", type=Path, help="markdown file whose bench_sandbox section to replace")
     args = parser.parse_args()
+    load = os.getloadavg()[0]
     times = asyncio.run(measure(args.repeats))
-    text = report(times, args.repeats)
+    text = report(times, args.repeats, load, asyncio.run(mounts_inside()))
     print(text)
     if args.write:
         replace_section(args.write, "bench_sandbox", text)

@@ -65,7 +65,7 @@ _HEADER_ROOM = 1024
 # after the process group is killed, how long to wait for the pipes to close and the exit status to arrive
 _DRAIN_S = 1.0
 # after the sandbox's pid 1 is killed, how long to wait for the kernel to end the rest of its pid namespace (a
-# fork bomb's 128 processes take ~0.5 s on a loaded 2-core machine); past it, the process group is killed anyway
+# fork bomb's processes take a while to die on a loaded machine); past it, the process group is killed anyway
 _TEARDOWN_S = 5.0
 
 # Runs as the child, before the untrusted code: read the code, isolate, limit, then execute the code as
