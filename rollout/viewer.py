@@ -7,8 +7,8 @@ break is marked where it cut the segment (``position``, else the segment's end) 
 segment that a break started says so at its top. Prev/next buttons, a sample list and the arrow keys
 move between samples.
 
-The page is rendered here, not by script, so it reads without JavaScript (only navigation, the heat
-toggle and the hover box use it) and tests can check it with an HTML parser. It carries no network
+The page is rendered here, not by script, so it reads without JavaScript (every sample one below the
+other; the script shows one at a time and runs navigation, the heat toggle and the hover box) and tests can check it with an HTML parser. It carries no network
 references. Size: about 80 bytes a token; ``limit`` (default 200 samples from ``start``) keeps a large
 run's page small enough for a browser.
 """
@@ -125,7 +125,7 @@ def sample_section(index: int, row: dict, tokenizer: Any | None) -> str:
     if started is not None:
         top = (f'<p class="brk-start">this segment starts after a break at turn {_attr(started.get("turn"))}: '
                f'{html.escape(str(started.get("reason")))} — {html.escape(str(started.get("detail") or ""))}</p>')
-    return (f'<section class="sample" id="s{index}" data-roles="{_attr(json.dumps(roles))}" hidden>{head}'
+    return (f'<section class="sample" id="s{index}" data-roles="{_attr(json.dumps(roles))}">{head}'
             f'<p class="legend">{legend}</p>{top}<pre class="tokens">{"".join(parts)}</pre></section>')
 
 
