@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from rollout.engines.protocol import (
     close_backend,
     decode_request,
 )
+from rollout.engines.streaming import stream_of
 
 BACKENDS: dict[str, str] = {
     "replay": "rollout.engines.replay:ReplayEngine",
@@ -144,6 +145,28 @@ class EngineActorImpl:
         if any(r.finish_reason == "error" for r in out.results):
             stats["errors"] += 1
         return out
+
+    async def generate_stream(self, request: GenerateRequest | Mapping[str, Any] | bytes) -> AsyncIterator[Any]:
+        """``generate`` token by token: StreamDelta items, then the GenerateOutput (see
+        rollout/engines/streaming.py). Call it as a Ray streaming generator:
+        ``actor.generate_stream.options(num_returns="streaming").remote(request)``."""
+        backend = await self._ensure()
+        stats = self.stats
+        stats["requests"] += 1
+        stats["in_flight"] += 1
+        stats["peak_in_flight"] = max(stats["peak_in_flight"], stats["in_flight"])
+        try:
+            if not isinstance(request, GenerateRequest):
+                request = decode_request(request if isinstance(request, (bytes, str)) else dict(request))
+            async for item in stream_of(backend, request):
+                if isinstance(item, GenerateOutput) and any(r.finish_reason == "error" for r in item.results):
+                    stats["errors"] += 1
+                yield item
+        except ValueError:
+            stats["refused"] += 1
+            raise
+        finally:
+            stats["in_flight"] -= 1
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def abort(self, request_id: str) -> bool:

@@ -367,8 +367,9 @@ def test_session_bad_input_and_stateless_chat(server):
     assert status == 400 and "role" in r["error"]["message"]
     status, r = chat(server, [{"role": "user", "content": "x"}], "sess-bad", n=2)
     assert status == 400 and "n must be 1" in r["error"]["message"]
-    status, r = chat(server, [{"role": "user", "content": "x"}], None, stream=True)
-    assert status == 400 and "stream" in r["error"]["message"]
+    status, r = chat(server, [{"role": "user", "content": "x"}], None,
+                     response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})
+    assert status == 400 and r["error"]["param"] == "response_format"
     status, r = chat(server, [{"role": "user", "content": "x"}], None, tool_choice="required")
     assert status == 400 and "tool_choice" in r["error"]["message"]
     status, r = chat(server, [{"role": "user", "content": "x"}], None, max_tokens=MAX_LEN)

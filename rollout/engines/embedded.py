@@ -26,6 +26,7 @@ import asyncio
 import os
 import secrets
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ from .protocol import (
     Timings,
     validate_request,
 )
+from .streaming import Listener, StreamDelta, stream_with_listener
 
 
 @dataclass
@@ -54,6 +56,7 @@ class _Seq:
     fed: int = 0  # tokens whose KV is in the row (tokens[fed] is the next input)
     logprobs: list[float] = field(default_factory=list)
     finalizing: bool = False  # finished; kept one step to write its last token's KV for the session
+    streamed: int = 0  # completion tokens already told to the request's listener (generate_stream)
 
 
 @dataclass
@@ -66,6 +69,7 @@ class _Req:
     prefill_s: float = 0.0
     prefill_end: float = 0.0
     cached: int = 0
+    listener: Listener | None = None  # generate_stream's: told the new tokens after each step
 
     @property
     def prompt_len(self) -> int:
@@ -124,7 +128,11 @@ class EmbeddedEngine:
                           max_model_len=self._max_model_len, weight_version=self.weight_version,
                           eos_token_ids=list(self._eos))
 
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+    def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta | GenerateOutput]:
+        """Token by token (after each scheduler step; see rollout/engines/streaming.py), then the output."""
+        return stream_with_listener(lambda listener: self.generate(request, listener))
+
+    async def generate(self, request: GenerateRequest, listener: Listener | None = None) -> GenerateOutput:
         """Sample ``request.sampling.n`` completions. Bad input raises EngineError before anything runs;
         cancelling the awaiting task aborts the request."""
         validate_request(request, self.info())
@@ -136,7 +144,7 @@ class EmbeddedEngine:
             raise EngineError(f"request {request.request_id}: a request with this id is already running")
         self._ensure_scheduler()
         req = _Req(request, asyncio.get_running_loop().create_future(), time.perf_counter(),
-                   [None] * request.sampling.n)
+                   [None] * request.sampling.n, listener=listener)
         self._by_id[request.request_id] = req
         self._waiting.append(req)
         self._wake.set()
@@ -234,8 +242,20 @@ class EmbeddedEngine:
                 finished = await loop.run_in_executor(self._executor, self._step, admit, aborts)
             except Exception as exc:  # a failure of the batched forward: fail what was in it, keep serving
                 finished = self._fail_all(f"{type(exc).__name__}: {exc}", admit)
+            self._tell_listeners()
             for req in finished:
                 self._resolve(req)
+
+    def _tell_listeners(self) -> None:
+        """On the loop, after a step: each streamed sequence still in the batch gets its new tokens (a
+        finished one's last tokens come with its output)."""
+        for seq in self._running:
+            listener = seq.req.listener
+            if listener is not None:
+                done = len(seq.tokens) - seq.req.prompt_len
+                if done > seq.streamed:
+                    listener(seq.index, seq.tokens[seq.req.prompt_len + seq.streamed:], seq.logprobs[seq.streamed:done])
+                    seq.streamed = done
 
     def _session_busy(self, session_id: str | None) -> bool:
         return session_id is not None and any(

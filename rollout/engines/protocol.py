@@ -12,6 +12,7 @@ conformance suite in tests/engine_conformance.py.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
@@ -20,7 +21,21 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class EngineError(ValueError):
-    """A request the engine refuses (bad input); the text names the problem. The engine keeps serving."""
+    """A request the engine refuses (bad input); the text names the problem. The engine keeps serving.
+    ``param`` names the offending field of the request when there is one (``sampling.seed`` -> ``"seed"``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # keep ``param`` through pickling (Ray)
+        return (type(self), (str(self), self.param))
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# below this a temperature makes logits / temperature overflow float32 to inf (NaN probabilities);
+# vLLM clamps such values up to 1e-2, here they are refused so what is sampled is what was asked
+MIN_TEMPERATURE = 1e-2
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -108,24 +123,35 @@ def validate_request(request: GenerateRequest, info: EngineInfo) -> None:
     ids = request.prompt_ids
     s = request.sampling
     if not ids:
-        raise EngineError(f"request {request.request_id}: empty prompt")
+        raise EngineError(f"request {request.request_id}: empty prompt", "prompt")
     bad = next((t for t in ids if not isinstance(t, int) or t < 0 or t >= info.vocab_size), None)
     if bad is not None:
-        raise EngineError(f"request {request.request_id}: token id {bad!r} is outside the vocabulary [0, {info.vocab_size})")
+        raise EngineError(f"request {request.request_id}: token id {bad!r} is outside the vocabulary [0, {info.vocab_size})",
+                          "prompt")
     if s.max_tokens < 1:
-        raise EngineError(f"request {request.request_id}: max_tokens must be >= 1, got {s.max_tokens}")
+        raise EngineError(f"request {request.request_id}: max_tokens must be >= 1, got {s.max_tokens}", "max_tokens")
     if len(ids) + s.max_tokens > info.max_model_len:
         raise EngineError(
             f"request {request.request_id}: prompt ({len(ids)} tokens) + max_tokens ({s.max_tokens}) "
-            f"exceeds max_model_len {info.max_model_len}"
+            f"exceeds max_model_len {info.max_model_len}", "max_tokens"
         )
     if s.n < 1:
-        raise EngineError(f"request {request.request_id}: n must be >= 1, got {s.n}")
+        raise EngineError(f"request {request.request_id}: n must be >= 1, got {s.n}", "n")
     if s.temperature < 0 or not 0 < s.top_p <= 1:
-        raise EngineError(f"request {request.request_id}: temperature must be >= 0 and top_p in (0, 1]")
+        raise EngineError(f"request {request.request_id}: temperature must be >= 0 and top_p in (0, 1]",
+                          "top_p" if s.temperature >= 0 else "temperature")
+    if not math.isfinite(s.temperature) or 0 < s.temperature < MIN_TEMPERATURE:
+        raise EngineError(f"request {request.request_id}: temperature must be 0 (greedy) or in "
+                          f"[{MIN_TEMPERATURE}, inf), got {s.temperature!r}", "temperature")
+    if s.top_k < -1:
+        raise EngineError(f"request {request.request_id}: top_k must be -1 or 0 (off) or >= 1, got {s.top_k}", "top_k")
+    if s.seed is not None and not INT64_MIN <= s.seed <= INT64_MAX:
+        raise EngineError(f"request {request.request_id}: seed must fit in a signed 64-bit integer, got {s.seed}",
+                          "seed")
     bad_stop = next((t for t in s.stop_token_ids if t < 0 or t >= info.vocab_size), None)
     if bad_stop is not None:
-        raise EngineError(f"request {request.request_id}: stop token id {bad_stop} is outside the vocabulary")
+        raise EngineError(f"request {request.request_id}: stop token id {bad_stop} is outside the vocabulary",
+                          "stop_token_ids")
 
 
 def decode_request(data: bytes | dict) -> GenerateRequest:

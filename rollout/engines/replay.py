@@ -33,7 +33,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import msgspec
@@ -48,6 +48,7 @@ from rollout.engines.protocol import (
     Timings,
     validate_request,
 )
+from rollout.engines.streaming import Listener, StreamDelta, stream_with_listener
 
 
 class ReplayRecord(msgspec.Struct):
@@ -120,10 +121,12 @@ def synthetic_token(prompt_key: bytes, stream: int, position: int, vocab_size: i
 
 
 class _Running:
-    __slots__ = ("aborted",)
+    __slots__ = ("aborted", "listener", "index")
 
-    def __init__(self) -> None:
+    def __init__(self, listener: Listener | None = None) -> None:
         self.aborted = False
+        self.listener = listener  # generate_stream's: told each token as it is produced
+        self.index = 0  # the completion being produced
 
 
 class ReplayEngine:
@@ -218,9 +221,14 @@ class ReplayEngine:
         if s.temperature == 0:
             return [(key, -1)] * s.n
         base = s.seed if s.seed is not None else random.getrandbits(62)
-        return [(key, base + j) for j in range(s.n)]
+        # wrapped into int64 (the stream id is hashed as 8 signed bytes): a seed near 2**63 - 1 with n > 1
+        return [(key, (base + j + 2**63) % 2**64 - 2**63) for j in range(s.n)]
 
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+    def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta | GenerateOutput]:
+        """Token by token (see rollout/engines/streaming.py), then the output."""
+        return stream_with_listener(lambda listener: self.generate(request, listener))
+
+    async def generate(self, request: GenerateRequest, listener: Listener | None = None) -> GenerateOutput:
         validate_request(request, self.info())
         if request.request_id in self._running:
             raise EngineError(f"request {request.request_id}: a request with this id is already running")
@@ -230,17 +238,18 @@ class ReplayEngine:
                 f"request {request.request_id}: no recorded completion for a prompt of {len(request.prompt_ids)} "
                 f"tokens (prompt hash {prompt_hash(request.prompt_ids)})"
             )
-        running = self._running[request.request_id] = _Running()
+        running = self._running[request.request_id] = _Running(listener)
         version = self._version
         t0 = time.perf_counter()
         try:
             if picked is not None:
-                results = [await self._replay(request, rec, running) for rec in picked]
+                results = []
+                for running.index, rec in enumerate(picked):
+                    results.append(await self._replay(request, rec, running))
             else:
-                results = [
-                    await self._synthesize(request, key, stream, running)
-                    for key, stream in self._synthetic_streams(request)
-                ]
+                results = []
+                for running.index, (key, stream) in enumerate(self._synthetic_streams(request)):
+                    results.append(await self._synthesize(request, key, stream, running))
         finally:
             del self._running[request.request_id]
         elapsed = time.perf_counter() - t0
@@ -270,6 +279,8 @@ class ReplayEngine:
                 break
             ids.append(t)
             lps.append(rec.logprobs[i] if rec.logprobs is not None else math.nan)
+            if running.listener is not None:
+                running.listener(running.index, [t], lps[-1:])
             if t in stops:
                 finish, stop_id = "stop", t
                 break
@@ -295,6 +306,8 @@ class ReplayEngine:
             t, lp = synthetic_token(key, stream, i, self._vocab_size)
             ids.append(t)
             lps.append(lp)
+            if running.listener is not None:
+                running.listener(running.index, [t], [lp])
             if t in stops:
                 finish, stop_id = "stop", t
                 break

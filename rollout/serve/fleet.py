@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -24,6 +24,13 @@ from ..routing import StickyLeastLoaded
 
 class EngineUnavailable(RuntimeError):
     """The engine died (or every engine is gone): the request fails with 503, the server keeps serving."""
+
+
+class DuplicateRequest(ValueError):
+    """A request id that is already running (409): refused before it touches routing, so the running
+    one stays registered (it can still be aborted)."""
+
+    param = "request_id"
 
 
 def is_actor_death(exc: BaseException) -> bool:
@@ -73,13 +80,8 @@ class Fleet:
         (a client that disconnected) aborts the request on its engine. Raises EngineUnavailable when
         the engine died; an engine's refusal (EngineError) propagates unchanged."""
         await self._admitting.wait()
-        if len(self.dead) == len(self.engines):
-            raise EngineUnavailable("no engine is alive")
-        route = key if key is not None else request.request_id
-        index = self.router.acquire(route)
+        index, route = self._admit(request, key)
         rid = request.request_id
-        self.where[rid] = index
-        self._drained.clear()
         t0 = time.perf_counter()
         engine = self.engines[index]
         running = asyncio.ensure_future(self._call_generate(engine, request))
@@ -100,12 +102,71 @@ class Fleet:
                 raise EngineUnavailable(f"engine {index} died: {type(exc).__name__}") from exc
             raise
         finally:
-            self.router.release(index)
-            self.where.pop(rid, None)
-            if key is None:
-                self.router.forget(route)
-            if not self.where:
-                self._drained.set()
+            self._release(index, rid, route, key)
+
+    def _admit(self, request: GenerateRequest, key: str | None) -> tuple[int, str]:
+        if len(self.dead) == len(self.engines):
+            raise EngineUnavailable("no engine is alive")
+        rid = request.request_id
+        if rid in self.where:
+            raise DuplicateRequest(f"request_id {rid!r} is already running; use another id (or abort it first)")
+        route = key if key is not None else rid
+        index = self.router.acquire(route)
+        self.where[rid] = index
+        self._drained.clear()
+        return index, route
+
+    def _release(self, index: int, rid: str, route: str, key: str | None) -> None:
+        self.router.release(index)
+        self.where.pop(rid, None)
+        if key is None:
+            self.router.forget(route)
+        if not self.where:
+            self._drained.set()
+
+    async def generate_stream(self, request: GenerateRequest, key: str | None = None) -> AsyncIterator[Any]:
+        """``generate`` token by token: StreamDelta items as the engine samples them (an engine without
+        ``generate_stream`` gives none), then ``(output, engine call seconds, engine index)``. Closing or
+        cancelling the iteration before the output aborts the request on its engine."""
+        await self._admitting.wait()
+        index, route = self._admit(request, key)
+        rid = request.request_id
+        engine = self.engines[index]
+        t0 = time.perf_counter()
+        items = self._stream_from(engine, request)
+        finished = False
+        try:
+            async for item in items:
+                if isinstance(item, GenerateOutput):
+                    finished = True
+                    yield item, time.perf_counter() - t0, index
+                    return
+                yield item
+        except BaseException as exc:
+            if not finished and isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(call(engine, "abort", rid))
+            if isinstance(exc, Exception) and is_actor_death(exc):
+                self.dead.add(index)
+                self.router.drop_engine(index)
+                raise EngineUnavailable(f"engine {index} died: {type(exc).__name__}") from exc
+            raise
+        finally:
+            with contextlib.suppress(BaseException):
+                await items.aclose()
+            self._release(index, rid, route, key)
+
+    async def _stream_from(self, engine: Any, request: GenerateRequest) -> AsyncIterator[Any]:
+        gs = getattr(engine, "generate_stream", None)
+        if gs is None:
+            yield await self._call_generate(engine, request)
+        elif hasattr(gs, "remote"):  # an EngineActor: a Ray streaming generator over msgspec JSON bytes
+            refs = gs.options(num_returns="streaming").remote(self._encode(request))
+            async for ref in refs:
+                yield await ref
+        else:
+            async for item in gs(request):
+                yield item
 
     async def _call_generate(self, engine: Any, request: GenerateRequest) -> GenerateOutput:
         if hasattr(engine.generate, "remote"):

@@ -9,13 +9,37 @@ cannot honour (stop strings, penalties, top-k alternatives, streaming) are refus
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
+import numpy as np
 
 
 class BadRequest(ValueError):
-    """A request the server refuses with 400; the text names the problem."""
+    """A request the server refuses with 400; the text names the problem and ``param`` the field
+    (OpenAI's ``error.param``: ``"seed"``, ``"sampling_params.top_k"``, ``"messages"``...)."""
+
+    status = 400
+    kind = "BadRequestError"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Conflict(BadRequest):
+    """409: a request id that is already running."""
+
+    status = 409
+    kind = "ConflictError"
+
+
+class TooLarge(BadRequest):
+    """413: a body over the server's limit."""
+
+    status = 413
+    kind = "RequestTooLargeError"
 
 
 class VLLMSamplingParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -43,22 +67,43 @@ class VLLMSamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     detokenize: bool = True
 
 
-def check_unsupported(values: dict[str, Any], where: str = "sampling_params") -> None:
-    """Refuse settings this server would otherwise silently ignore."""
+# Accepted on the OpenAI routes (clients send them by default) and without effect: the engines have no
+# such sampling controls. Each response that carried one says so in the X-Tito-Ignored header.
+IGNORED_OPENAI = (("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("logit_bias", None))
+
+
+def check_unsupported(values: dict[str, Any], where: str = "sampling_params", openai: bool = False) -> list[str]:
+    """Refuse settings this server would otherwise silently ignore. ``where``: the prefix of the fields'
+    names ("sampling_params" or "" for top-level fields). On the OpenAI routes (``openai``), stop strings
+    are honoured by the server and the IGNORED_OPENAI fields are accepted: their names are returned."""
+    prefix = f"{where}." if where else ""
     stop = values.get("stop")
-    if stop:
-        raise BadRequest(f"{where}.stop: stop strings are not supported by a token-in/token-out server; "
-                         "use stop_token_ids")
+    if stop and not openai:
+        raise BadRequest(f"{prefix}stop: stop strings are not supported by a token-in/token-out route; "
+                         "use stop_token_ids (the OpenAI routes honour stop strings)", f"{prefix}stop")
+    ignored = []
     for name, neutral in (("min_p", 0.0), ("min_tokens", 0), ("repetition_penalty", 1.0),
-                          ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+                          ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("logit_bias", None)):
         value = values.get(name)
-        if value is not None and value != neutral:
-            raise BadRequest(f"{where}.{name}={value!r} is not supported by the engines (only {neutral!r})")
+        if value is None or value == neutral or value == {}:
+            continue
+        if openai and any(name == n for n, _ in IGNORED_OPENAI):
+            ignored.append(name)
+            continue
+        raise BadRequest(f"{prefix}{name}={value!r} is not supported by the engines (only {neutral!r})",
+                         f"{prefix}{name}")
     if values.get("prompt_logprobs") is not None:
-        raise BadRequest(f"{where}.prompt_logprobs is not supported (prompt tokens are not scored)")
+        raise BadRequest(f"{prefix}prompt_logprobs is not supported (prompt tokens are not scored)",
+                         f"{prefix}prompt_logprobs")
     lp = values.get("logprobs")
-    if isinstance(lp, int) and not isinstance(lp, bool) and lp > 1:
-        raise BadRequest(f"{where}.logprobs={lp}: only the sampled token's logprob is returned (use 0 or 1)")
+    if isinstance(lp, int) and not isinstance(lp, bool) and not 0 <= lp <= 1:
+        raise BadRequest(f"{prefix}logprobs={lp}: only the sampled token's logprob is returned (use 0 or 1)",
+                         f"{prefix}logprobs")
+    top = values.get("top_logprobs")
+    if top is not None and not 0 <= top <= 1:
+        raise BadRequest(f"{prefix}top_logprobs={top}: only the sampled token's logprob is returned (use 0 or 1)",
+                         f"{prefix}top_logprobs")
+    return ignored
 
 
 class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -128,6 +173,11 @@ class GenerateResponse(msgspec.Struct):
     metrics: Timing
 
 
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
 class CompletionsBody(msgspec.Struct, forbid_unknown_fields=True):
     """``POST /v1/completions`` with token-id prompts (``prompt``: a list of ids or a list of such lists)."""
 
@@ -157,6 +207,14 @@ class CompletionsBody(msgspec.Struct, forbid_unknown_fields=True):
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    include_stop_str_in_output: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    add_special_tokens: bool = True  # token-id prompts are sent as they are: nothing is added to them
+    suffix: str | None = None
+    best_of: int | None = None
+    metadata: dict | None = None
+    store: bool | None = None
 
 
 class ChatBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -191,6 +249,39 @@ class ChatBody(msgspec.Struct, forbid_unknown_fields=True):
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    reasoning_effort: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_tokens_as_token_ids: bool = False
+    add_special_tokens: bool = False  # vLLM's chat default: the template places any BOS itself
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+
+
+class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``POST /tokenize``: a text ``prompt`` or chat ``messages``."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    model: str | None = None
+    tools: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
+    tokens: list[int]
+    model: str | None = None
 
 
 class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -202,16 +293,44 @@ class UpdateWeightsBody(msgspec.Struct, forbid_unknown_fields=True):
     version: int
 
 
+MAX_JSON_DEPTH = 64  # deeper bodies are refused before decoding (msgspec would recurse ~1000 levels first)
+# a JSON string (its escapes included); written so the regex engine never backtracks
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def check_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse JSON nested deeper than ``limit`` before decoding it. Brackets inside strings are text:
+    strings are cut out first (one regex pass), then the depth is the maximum running sum of the
+    remaining brackets (numpy), so a 50 MB body costs tens of milliseconds, never a deep recursion."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:  # the common case: cannot be deeper than that
+        return
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if len(brackets) <= limit:
+        return
+    # "[" 0x5B and "{" 0x7B have bit 1 set, "]" 0x5D and "}" 0x7D do not: +1 / -1 per bracket
+    steps = (np.frombuffer(brackets, dtype=np.uint8) & 0x02).astype(np.int32) - 1
+    depth = int(np.cumsum(steps, out=steps).max())
+    if depth > limit:
+        raise BadRequest(f"the JSON body is nested {depth} levels deep; at most {limit} are accepted")
+
+
 def decode(raw: bytes, type_: type) -> Any:
-    """Decode a JSON body strictly; every problem is a BadRequest naming it (msgspec's path included)."""
+    """Decode a JSON body strictly; every problem is a BadRequest naming it (msgspec's path included,
+    and as ``param``)."""
     if not raw:
         raise BadRequest("empty request body: expected a JSON object")
+    check_depth(raw)
     try:
         return msgspec.json.decode(raw, type=type_)
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid request: {exc}") from None
+        m = _PATH.search(str(exc))
+        raise BadRequest(f"invalid request: {exc}", m.group(1) if m else None) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"invalid JSON: {exc}") from None
+    except RecursionError:  # nesting under the depth limit, but through a recursive Python path
+        raise BadRequest("the JSON body is nested too deeply") from None
 
 
 def struct_values(obj: msgspec.Struct) -> dict[str, Any]:

@@ -1,0 +1,243 @@
+"""What every route does around an engine call: read the body within limits, build and validate the
+sampling settings (errors name the request's own field), route and run the request (whole, or token by
+token with stop strings), abort it when the client goes away, and account it in the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..engines.protocol import (
+    EngineError,
+    GenerateOutput,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    validate_request,
+)
+from ..engines.streaming import StreamDelta
+from .schemas import BadRequest, Conflict, PromptTokensDetails, Timing, TooLarge, Usage
+from .state import ServerState
+from .stops import TextStream
+
+_encoder = msgspec.json.Encoder()
+
+
+class ClientGone(Exception):
+    """The client disconnected; its request was aborted."""
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(_encoder.encode(obj), status_code=status, media_type="application/json")
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> Response:
+    return json_response({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """A Ray task error's original exception (its str is the message alone, not the remote traceback)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+async def read_body(state: ServerState, request: Request) -> bytes:
+    """The body, refused with 413 when over ``state.max_body_bytes``: from Content-Length before a byte
+    is read, and while reading a body without one (chunked)."""
+    limit = state.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"request body of {int(declared)} bytes is over the server's limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"request body is over the server's limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _until_disconnect(request: Request) -> None:
+    # the body has been read: the next ASGI message is the disconnect (uvicorn sends it when the socket closes)
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def watched(request: Request, work: Awaitable[Any]) -> Any:
+    """Run ``work`` unless the client goes away first; then cancel it (which aborts the engine request)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.model_names:
+        raise BadRequest(f"unknown model {model!r}: this server serves {state.model_names[0]!r}", "model")
+
+
+def max_tokens_for(state: ServerState, prompt_len: int, requested: int | None) -> int:
+    room = state.fleet.max_model_len - prompt_len
+    if requested is not None:
+        return requested  # validate_request names an overflow with the numbers
+    if room < 1:
+        raise BadRequest(f"prompt ({prompt_len} tokens) leaves no room to sample: max_model_len is "
+                         f"{state.fleet.max_model_len}", "max_tokens")
+    return min(room, state.default_max_tokens) if state.default_max_tokens else room
+
+
+def sampling(state: ServerState, prompt_len: int, max_tokens: int | None, *, temperature: float, top_p: float,
+             top_k: int, seed: int | None, n: int, stop_token_ids: list[int] | None, ignore_eos: bool,
+             extra_stops: tuple[int, ...] = ()) -> SamplingParams:
+    stops = tuple(dict.fromkeys([*extra_stops, *(stop_token_ids or [])]))
+    return SamplingParams(max_tokens=max_tokens_for(state, prompt_len, max_tokens), temperature=temperature,
+                          top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stops, logprobs=True,
+                          ignore_eos=ignore_eos, n=n)
+
+
+def validated(state: ServerState, req: GenerateRequest, prefix: str = "", prompt_param: str = "prompt") -> None:
+    """validate_request, its errors named as this route's fields (``sampling_params.seed`` on the vLLM
+    route, ``seed`` on the OpenAI ones; the prompt is ``token_ids``, ``prompt`` or ``messages``)."""
+    try:
+        validate_request(req, state.engine_info())
+    except EngineError as exc:
+        param = exc.param
+        param = prompt_param if param == "prompt" else (f"{prefix}{param}" if param else None)
+        raise BadRequest(str(exc), param) from None
+    if req.request_id in state.fleet.where:
+        raise Conflict(f"request_id {req.request_id!r} is already running; use another id (or abort it first)",
+                       "request_id")
+
+
+def account(state: ServerState, request: Request, req: GenerateRequest, out: GenerateOutput, call_s: float) -> None:
+    """Fail a request the engine failed, and count it in the metrics."""
+    failed = [r for r in out.results if r.finish_reason == "error"]
+    if failed:
+        raise RuntimeError(f"the engine failed request {req.request_id}: {failed[0].error}")
+    m = state.metrics
+    engine_s = timing(out, call_s).engine_s
+    m.observe("engine_seconds", engine_s)
+    request.state.engine_s = getattr(request.state, "engine_s", 0.0) + engine_s  # for the overhead histogram
+    cached = max((r.cached_prompt_tokens for r in out.results), default=0)
+    m.inc("prompt_tokens_total", len(req.prompt_ids))
+    m.inc("cached_prompt_tokens_total", cached)
+    for r in out.results:
+        m.inc("completion_tokens_total", len(r.completion_ids))
+        m.observe("completion_tokens", len(r.completion_ids))
+        m.inc("finish_total", finish=r.finish_reason)
+        if r.finish_reason == "abort":
+            m.inc("aborts_total", cause="engine")
+
+
+async def generate(state: ServerState, request: Request, req: GenerateRequest, key: str | None,
+                   ) -> tuple[GenerateOutput, float]:
+    """Route, run (aborting on disconnect) and account one engine request (validated by the caller)."""
+    out, call_s, _ = await watched(request, state.fleet.generate(req, key))
+    account(state, request, req, out, call_s)
+    return out, call_s
+
+
+async def sample_stream(state: ServerState, request: Request, req: GenerateRequest, key: str | None,
+                        texts: list[TextStream] | None = None) -> AsyncIterator[Any]:
+    """One engine request token by token: ``StreamDelta`` items (each completion's new tokens, already cut
+    at a stop string), then ``(output, call_s)`` with the stopped completions truncated to the token that
+    completed their stop string (finish_reason "stop"). ``texts``: one TextStream per completion, fed here,
+    when stop strings are watched; once every completion stopped, the engine request is aborted."""
+    fed = [0] * req.sampling.n
+    aborted = False
+    async with contextlib.aclosing(state.fleet.generate_stream(req, key)) as items:
+        async for item in items:
+            if isinstance(item, StreamDelta):
+                ids, lps = item.token_ids, item.logprobs
+                if texts is not None:
+                    t = texts[item.index]
+                    if t.stopped:
+                        continue
+                    t.feed(ids)
+                    if t.stopped:  # only the tokens up to the one that completed the stop string
+                        keep = t.cut - fed[item.index]
+                        ids, lps = ids[:keep], (lps[:keep] if lps is not None else None)
+                        if not aborted and all(x.stopped for x in texts):
+                            aborted = True
+                            await state.fleet.abort([req.request_id])
+                fed[item.index] += len(ids)
+                if ids:
+                    yield StreamDelta(item.index, ids, lps)
+                continue
+            out, call_s, _ = item
+            if texts is not None:
+                out = _cut_at_stops(out, texts)
+            account(state, request, req, out, call_s)
+            # the tokens the engine sent with its output only (a backend that does not stream)
+            for i, r in enumerate(out.results):
+                if len(r.completion_ids) > fed[i]:
+                    yield StreamDelta(i, r.completion_ids[fed[i]:],
+                                      r.logprobs[fed[i]:] if r.logprobs is not None else None)
+            yield out, call_s
+
+
+def _cut_at_stops(out: GenerateOutput, texts: list[TextStream]) -> GenerateOutput:
+    results = []
+    for r, t in zip(out.results, texts):
+        if not t.stopped:  # the engine's output may hold tokens no delta carried: feed them
+            t.feed(r.completion_ids[len(t.ids):])
+        if t.stopped:
+            r = msgspec.structs.replace(
+                r, completion_ids=r.completion_ids[: t.cut],
+                logprobs=r.logprobs[: t.cut] if r.logprobs is not None else None,
+                finish_reason="stop", stop_token_id=None)
+        results.append(r)
+    return GenerateOutput(out.request_id, out.prompt_len, results)
+
+
+async def run_to_end(state: ServerState, request: Request, req: GenerateRequest, key: str | None,
+                     texts: list[TextStream] | None) -> tuple[GenerateOutput, float]:
+    """A whole result: the plain engine call, or (with stop strings) the token stream consumed here."""
+    if texts is None:
+        return await generate(state, request, req, key)
+
+    async def consume() -> tuple[GenerateOutput, float]:
+        last = None
+        async for item in sample_stream(state, request, req, key, texts):
+            last = item
+        return last
+
+    return await watched(request, consume())
+
+
+def timing(out: GenerateOutput, call_s: float) -> Timing:
+    t = max((r.timings for r in out.results), key=lambda t: t.queue_s + t.prefill_s + t.decode_s)
+    return Timing(engine_s=t.queue_s + t.prefill_s + t.decode_s, queue_s=t.queue_s, prefill_s=t.prefill_s,
+                  decode_s=t.decode_s, engine_call_s=call_s)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens, cached_tokens=cached,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def request_id(given: str | None, prefix: str) -> str:
+    return given if given else f"{prefix}-{uuid.uuid4().hex}"
+
+
+def stop_reason(r: GenerateResult, text: TextStream | None) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string, or the stop token id, that ended the completion."""
+    return text.stop if text is not None and text.stopped else r.stop_token_id

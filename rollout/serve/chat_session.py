@@ -1,0 +1,84 @@
+"""One chat-completions call on a session (``X-Session-ID``): its prompt (first render, bridge or break,
+sessions.py), the record of what was sampled, and the session's lock held from the prompt to the record,
+so a streamed turn is serialized and recorded exactly as a whole one. A turn refused before it reached an
+engine leaves no new session behind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..engines.protocol import GenerateResult
+from ..handles import call
+from .schemas import ChatBody
+from .sessions import Prepared, Session
+from .state import ServerState
+
+
+@dataclass
+class Turn:
+    state: ServerState
+    session: Session
+    new: bool  # the session was opened by this call
+    prepared: Prepared
+    valid: bool = False  # passed every check: from here on, the session stays whatever happens
+    recorded: bool = False
+    closed: bool = False
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.prepared.prompt_ids
+
+    @property
+    def info(self) -> dict[str, Any]:
+        s = self.session
+        return {"id": s.id, "turn": s.turn - 1, "prompt": self.prepared.kind, "break": self.prepared.brk}
+
+    def validated(self) -> None:
+        self.valid = True
+        m = self.state.metrics
+        m.inc("session_turns_total", kind=self.prepared.kind)
+        if self.prepared.brk is not None:
+            m.inc("breaks_total", reason=self.prepared.brk["reason"])
+
+    async def record(self, result: GenerateResult, assistant: dict) -> None:
+        """Record the sampled turn (not an aborted one: the same messages again retry it)."""
+        if result.finish_reason != "abort":
+            await self.state.sessions.record(self.session, result.completion_ids, result.logprobs,
+                                             result.weight_version, assistant)
+            self.recorded = True
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.new and not self.valid:  # refused before the engine: no session was created
+                await discard_new(self.state, self.session)
+        finally:
+            self.session.lock.release()
+
+
+async def discard_new(state: ServerState, s: Session) -> None:
+    if state.sessions.sessions.get(s.id) is s:
+        del state.sessions.sessions[s.id]
+    if s.prompt_ids:  # its renderer began the rollout
+        await call(s.renderer, "discard", s.id)
+
+
+async def open_turn(state: ServerState, session_id: str, body: ChatBody) -> Turn:
+    """Open (or create) the session, take its lock and build this turn's prompt; a message problem is a
+    ValueError (400) and a new session is dropped again."""
+    new = state.sessions.get(session_id) is None
+    s = state.sessions.open(session_id)
+    await s.lock.acquire()
+    try:
+        prepared = await state.sessions.prepare(s, body.messages, body.tools)
+    except BaseException:
+        try:
+            if new:
+                await discard_new(state, s)
+        finally:
+            s.lock.release()
+        raise
+    return Turn(state, s, new, prepared)

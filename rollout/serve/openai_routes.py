@@ -1,0 +1,402 @@
+"""The OpenAI-compatible routes: ``/v1/completions`` (token-id prompts) and ``/v1/chat/completions``
+(stateless, or a session turn with ``X-Session-ID``), whole or streamed (``stream=true``, see
+streaming.py), with stop strings; and vLLM's ``/tokenize`` and ``/detokenize``.
+
+Fields OpenAI and vLLM clients send are accepted; those the engines cannot honour (IGNORED_OPENAI in
+schemas.py) are listed in the ``X-Tito-Ignored`` response header. Everything is validated before a
+session is opened or an engine is called, so a refused request leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..engines.protocol import GenerateOutput, GenerateRequest, GenerateResult
+from . import calls
+from .schemas import (
+    BadRequest,
+    ChatBody,
+    CompletionsBody,
+    DetokenizeBody,
+    TokenizeBody,
+    check_unsupported,
+    decode,
+    struct_values,
+)
+from .state import ServerState
+from .stops import MAX_STOP_STRINGS, TextStream
+
+# names Renderer.render takes itself: a chat_template_kwargs entry cannot override them
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "continue_final_message", "conversation",
+                            "documents", "chat_template", "tokenize", "return_dict")
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise BadRequest(f"stop: at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stops)}", "stop")
+    if any(not s for s in stops):
+        raise BadRequest("stop: a stop string must not be empty", "stop")
+    return stops
+
+
+def _headers(ignored: list[str]) -> dict[str, str]:
+    return {"X-Tito-Ignored": ",".join(ignored)} if ignored else {}
+
+
+def _with_headers(response: Response, ignored: list[str]) -> Response:
+    for k, v in _headers(ignored).items():
+        response.headers[k] = v
+    return response
+
+
+@dataclass
+class Call:
+    """One validated request, ready to run: what both the whole and the streamed answer need."""
+
+    rid: str
+    reqs: list[GenerateRequest]
+    prompts: list[list[int]]
+    key: str | None
+    stops: list[str]
+    include_stop: bool
+    ignored: list[str] = field(default_factory=list)
+
+    def texts(self, decode) -> list[TextStream] | None:
+        return [TextStream(decode, self.stops, self.include_stop) for _ in range(self.reqs[0].sampling.n)]
+
+
+# ---- /v1/completions -----------------------------------------------------------------------------
+
+
+def _token_ids_prompt(prompt: Any) -> list[list[int]]:
+    def ids(p: Any, where: str) -> list[int]:
+        if not isinstance(p, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise BadRequest(f"{where} must be a list of token ids (integers)", "prompt")
+        return p
+
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
+        raise BadRequest("prompt: text prompts are not supported by this token-in/token-out server; send token ids",
+                         "prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        return [ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [ids(prompt, "prompt")]
+
+
+def _completion_text(state: ServerState, body: CompletionsBody):
+    tok = state.parser.tokenizer
+    skip = body.skip_special_tokens
+    return lambda ids: tok.decode(ids, skip_special_tokens=skip)
+
+
+async def completions(state: ServerState, request: Request) -> Response:
+    body: CompletionsBody = decode(await calls.read_body(state, request), CompletionsBody)
+    calls.check_model(state, body.model)
+    if body.echo:
+        raise BadRequest("echo is not supported", "echo")
+    if body.suffix:
+        raise BadRequest("suffix is not supported", "suffix")
+    if body.best_of not in (None, 1, body.n):
+        raise BadRequest("best_of is not supported", "best_of")
+    ignored = check_unsupported(struct_values(body), where="", openai=True)
+    stops = _stops(body.stop)
+    prompts = _token_ids_prompt(body.prompt)
+    if body.stream and len(prompts) > 1:
+        raise BadRequest("stream=true takes one prompt (a list of token ids), not a batch", "prompt")
+    rid = calls.request_id(body.request_id, "cmpl")
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        sp = calls.sampling(state, len(prompt), body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+                            top_k=body.top_k, seed=body.seed, n=body.n, stop_token_ids=body.stop_token_ids,
+                            ignore_eos=body.ignore_eos)
+        sub = rid if len(prompts) == 1 else f"{rid}-{i}"
+        reqs.append(GenerateRequest(request_id=sub, prompt_ids=prompt, sampling=sp, session_id=body.cache_salt))
+    for r in reqs:  # refuse the whole batch before anything runs
+        calls.validated(state, r)
+    c = Call(rid, reqs, prompts, body.cache_salt, stops, body.include_stop_str_in_output, ignored)
+    decode_text = _completion_text(state, body)
+    if body.stream:
+        from .streaming import stream_completion
+
+        return stream_completion(state, request, body, c, decode_text)
+    import asyncio
+
+    texts = [c.texts(decode_text) if stops else None for _ in reqs]
+    outs = await asyncio.gather(*(calls.run_to_end(state, request, r, c.key, t) for r, t in zip(reqs, texts)))
+    tok = state.parser.tokenizer
+    choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+    for prompt, (out, _), ts in zip(prompts, outs, texts):
+        prompt_tokens += len(prompt)
+        cached += max(r.cached_prompt_tokens for r in out.results)
+        for j, r in enumerate(out.results):
+            completion_tokens += len(r.completion_ids)
+            text = ts[j].final_text if ts is not None else decode_text(r.completion_ids)
+            choice: dict[str, Any] = {"index": len(choices), "text": text, "finish_reason": r.finish_reason,
+                                      "stop_reason": calls.stop_reason(r, ts[j] if ts else None)}
+            if body.logprobs is not None and r.logprobs is not None:
+                choice["logprobs"] = completion_logprobs(tok, r.completion_ids, r.logprobs,
+                                                         body.return_tokens_as_token_ids)
+            else:
+                choice["logprobs"] = None
+            if body.return_token_ids:
+                choice["token_ids"] = r.completion_ids
+                choice["prompt_token_ids"] = prompt
+            choice["weight_versions"] = [r.weight_version]
+            choices.append(choice)
+    return _with_headers(calls.json_response({
+        "id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_names[0],
+        "choices": choices, "usage": calls.usage(prompt_tokens, completion_tokens, cached)}), ignored)
+
+
+def completion_logprobs(tok, ids: list[int], lps: list[float], as_ids: bool) -> dict:
+    tokens = [f"token_id:{t}" for t in ids] if as_ids else [tok.decode([t]) for t in ids]
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
+
+
+def chat_logprobs(tok, ids: list[int], lps: list[float], as_ids: bool) -> dict:
+    def entry(t: int, lp: float) -> dict:
+        text = f"token_id:{t}" if as_ids else tok.decode([t])
+        return {"token": text, "logprob": lp, "bytes": None if as_ids else list(text.encode()), "top_logprobs": []}
+
+    return {"content": [entry(t, lp) for t, lp in zip(ids, lps)]}
+
+
+# ---- /v1/chat/completions ------------------------------------------------------------------------
+
+
+def check_prompt_bytes(state: ServerState, messages: list[dict]) -> None:
+    """Refuse, before tokenizing, messages whose text cannot fit: a text of B bytes (after the tokenizer's
+    normalizer) needs at least B / max_token_bytes tokens, and the text of every non-assistant message is
+    in the prompt (templates render user, system and tool messages; assistant content may be trimmed, e.g.
+    earlier reasoning, so it is not counted)."""
+    texts = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") == "assistant":
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    room = state.fleet.max_model_len - 1  # the prompt must leave a token to sample
+    cheap = sum(len(t) for t in texts)  # characters <= bytes: below this bound nothing needs counting
+    if cheap * 4 <= state.max_token_bytes * room:
+        return
+    normalizer = state.parser.tokenizer.backend.normalizer
+    total = 0
+    for t in texts:
+        t = t.strip()
+        if normalizer is not None:
+            t = normalizer.normalize_str(t)
+        total += len(t.encode("utf-8", "surrogatepass"))
+    if total > state.max_token_bytes * room:
+        raise BadRequest(f"messages: {total} bytes of message text need more than {room} tokens (no token of "
+                         f"this vocabulary is longer than {state.max_token_bytes} bytes), so the prompt cannot fit "
+                         f"max_model_len {state.fleet.max_model_len}", "messages")
+
+
+def _template_kwargs(state: ServerState, body: ChatBody, session: bool, ignored: list[str]) -> dict:
+    kwargs = dict(body.chat_template_kwargs or {})
+    for name in kwargs:
+        if name in RESERVED_TEMPLATE_KWARGS:
+            raise BadRequest(f"chat_template_kwargs.{name}: {name!r} is set by the request itself, not a template "
+                             "kwarg", f"chat_template_kwargs.{name}")
+    if body.reasoning_effort is not None:
+        if "reasoning_effort" in state.parser.template_kwargs_allowed:
+            kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+        else:
+            ignored.append("reasoning_effort")  # the template has no effort levels
+    if session and kwargs:
+        raise BadRequest("chat_template_kwargs and reasoning_effort cannot change within a session; set "
+                         "renderer.template_kwargs in the server config",
+                         "reasoning_effort" if body.reasoning_effort is not None else "chat_template_kwargs")
+    try:
+        state.parser.check_template_kwargs(kwargs)
+    except ValueError as exc:
+        raise BadRequest(f"chat_template_kwargs: {exc}", "chat_template_kwargs") from None
+    return kwargs
+
+
+def _check_chat(state: ServerState, body: ChatBody, session: bool) -> list[str]:
+    """Every check that needs no prompt, before anything is opened or rendered; returns ignored fields."""
+    calls.check_model(state, body.model)
+    ignored = check_unsupported(struct_values(body), where="", openai=True)
+    if body.tool_choice not in (None, "auto", "none"):
+        raise BadRequest(f"tool_choice {body.tool_choice!r} is not supported (only 'auto' or 'none')", "tool_choice")
+    fmt = body.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise BadRequest(f"response_format {fmt.get('type')!r} is not supported (only 'text'): sampling is not "
+                         "constrained", "response_format")
+    if body.add_generation_prompt and body.continue_final_message:
+        raise BadRequest("continue_final_message needs add_generation_prompt=false", "continue_final_message")
+    if session:
+        if body.n != 1:
+            raise BadRequest("a session (X-Session-ID) samples one trajectory: n must be 1", "n")
+        if body.continue_final_message or not body.add_generation_prompt:
+            raise BadRequest("a session turn answers the last message: add_generation_prompt must be true and "
+                             "continue_final_message false", "add_generation_prompt")
+    check_prompt_bytes(state, body.messages)
+    return ignored
+
+
+def _stateless_prompt(state: ServerState, body: ChatBody, kwargs: dict) -> list[int]:
+    parser = state.parser
+    if body.continue_final_message:
+        if not body.messages or body.messages[-1].get("role") != "assistant":
+            raise BadRequest("continue_final_message needs an assistant message last", "messages")
+        ids = parser.render(body.messages, body.tools, add_generation_prompt=False, **kwargs).token_ids
+        # the final message stays open: drop its turn close and whatever the template puts after it
+        close = len(ids) - 1 - ids[::-1].index(parser.turn_close_id) if parser.turn_close_id in ids else len(ids)
+        ids = ids[:close]
+    else:
+        ids = parser.render(body.messages, body.tools, add_generation_prompt=body.add_generation_prompt,
+                            **kwargs).token_ids
+    bos = parser.tokenizer.bos_token
+    if body.add_special_tokens and bos:
+        bos_id = parser.tokenizer.added_tokens.get(bos)
+        if bos_id is not None and ids[:1] != [bos_id]:
+            ids = [bos_id, *ids]
+    return ids
+
+
+async def chat_completions(state: ServerState, request: Request) -> Response:
+    body: ChatBody = decode(await calls.read_body(state, request), ChatBody)
+    session_id = request.headers.get("x-session-id")
+    ignored = _check_chat(state, body, bool(session_id))
+    kwargs = _template_kwargs(state, body, bool(session_id), ignored)
+    stops = _stops(body.stop)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    rid = calls.request_id(body.request_id, "chatcmpl")
+    sampling_kw = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed, n=body.n,
+                       stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                       extra_stops=tuple(state.parser.stop_token_ids))
+    # the sampling settings alone (no prompt yet), so a bad value is refused before a session opens
+    calls.validated(state, GenerateRequest(rid, [0], calls.sampling(state, 1, max_tokens or 1, **sampling_kw)),
+                    prompt_param="messages")
+    turn = None
+    if session_id:
+        from .chat_session import open_turn
+
+        turn = await open_turn(state, session_id, body)  # holds the session's lock until turn.close()
+        prompt = turn.prompt
+    else:
+        prompt = _stateless_prompt(state, body, kwargs)
+    try:
+        sp = calls.sampling(state, len(prompt), max_tokens, **sampling_kw)
+        req = GenerateRequest(request_id=rid, prompt_ids=prompt, sampling=sp,
+                              session_id=session_id or body.cache_salt)
+        calls.validated(state, req, prompt_param="messages")
+        if turn is not None:
+            turn.validated()
+        c = Call(rid, [req], [prompt], session_id or body.cache_salt, stops, body.include_stop_str_in_output, ignored)
+        if body.stream:
+            from .streaming import stream_chat
+
+            response = stream_chat(state, request, body, c, turn)
+            turn = None  # the stream closes it
+            return response
+        tok = state.parser.tokenizer
+        texts = c.texts(lambda ids: tok.decode(ids, skip_special_tokens=True)) if stops else None
+        out, _ = await calls.run_to_end(state, request, req, c.key, texts)
+        parsed_all = [chat_choice(state, body, r, prompt, texts[i] if texts else None)
+                      for i, r in enumerate(out.results)]
+        if turn is not None:
+            await turn.record(out.results[0], parsed_all[0][1])
+        return _with_headers(calls.json_response(chat_response(state, body, rid, prompt, out, parsed_all, turn)),
+                             ignored)
+    finally:
+        if turn is not None:
+            await turn.close()
+
+
+def chat_choice(state: ServerState, body: ChatBody, r: GenerateResult, prompt: list[int],
+                text: TextStream | None) -> tuple[GenerateResult, dict, Any, TextStream | None]:
+    """The parsed answer of one completion: (result, assistant message, parse, its stop-string stream)."""
+    parsed = state.parser.parse_response(r.completion_ids, prompt, body.tools)
+    assistant = parsed.to_message()
+    if text is not None and text.stopped and isinstance(assistant.get("content"), str):
+        content = assistant["content"]
+        at = content.find(text.stop)
+        if at >= 0:  # the stop string and what its last token carried after it are not content
+            assistant["content"] = content[: at + len(text.stop) if text.include_stop else at]
+    return r, assistant, parsed, text
+
+
+def chat_response(state: ServerState, body: ChatBody, rid: str, prompt: list[int], out: GenerateOutput,
+                  parsed_all: list, turn: Any) -> dict:
+    tok = state.parser.tokenizer
+    choices = []
+    for i, (r, assistant, parsed, text) in enumerate(parsed_all):
+        message = {"role": "assistant", "content": assistant.get("content"),
+                   "reasoning_content": assistant.get("reasoning_content"),
+                   "tool_calls": assistant.get("tool_calls", [])}
+        choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": chat_finish(r, assistant),
+                                  "stop_reason": calls.stop_reason(r, text), "weight_versions": [r.weight_version],
+                                  # every tool-call attempt with its status, malformed ones included (RL rewards them)
+                                  "tool_call_attempts": [{"name": c.name, "status": str(c.status), "error": c.error,
+                                                          "raw": c.raw} for c in parsed.tool_calls]}
+        if body.logprobs and r.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(tok, r.completion_ids, r.logprobs, body.return_tokens_as_token_ids)
+        else:
+            choice["logprobs"] = None
+        if body.return_token_ids:
+            choice["token_ids"] = r.completion_ids
+        choices.append(choice)
+    cached = max(r.cached_prompt_tokens for r in out.results)
+    resp: dict[str, Any] = {
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_names[0],
+        "choices": choices,
+        "usage": calls.usage(len(prompt), sum(len(r.completion_ids) for r in out.results), cached),
+    }
+    if body.return_token_ids:
+        resp["prompt_token_ids"] = prompt
+    if turn is not None:
+        resp["session"] = turn.info
+    return resp
+
+
+def chat_finish(r: GenerateResult, assistant: dict) -> str:
+    return "tool_calls" if r.finish_reason == "stop" and assistant.get("tool_calls") else r.finish_reason
+
+
+# ---- /tokenize, /detokenize (vLLM) ---------------------------------------------------------------
+
+
+async def tokenize(state: ServerState, request: Request) -> Response:
+    body: TokenizeBody = decode(await calls.read_body(state, request), TokenizeBody)
+    calls.check_model(state, body.model)
+    tok = state.parser.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise BadRequest("send either prompt (text) or messages (chat)", "prompt")
+    if body.messages is not None:
+        check_prompt_bytes(state, body.messages)
+        chat = ChatBody(messages=body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
+                        continue_final_message=body.continue_final_message,
+                        chat_template_kwargs=body.chat_template_kwargs)
+        if chat.add_generation_prompt and chat.continue_final_message:
+            raise BadRequest("continue_final_message needs add_generation_prompt=false", "continue_final_message")
+        ids = _stateless_prompt(state, chat, _template_kwargs(state, chat, False, []))
+    else:
+        ids = tok.encode(body.prompt)
+        bos = tok.bos_token and tok.added_tokens.get(tok.bos_token)
+        if body.add_special_tokens and bos is not None and bos is not False and ids[:1] != [bos]:
+            ids = [bos, *ids]
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": state.fleet.max_model_len, "tokens": ids}
+    if body.return_token_strs:
+        out["token_strs"] = tok.backend.decode_batch([[t] for t in ids], skip_special_tokens=False)
+    return calls.json_response(out)
+
+
+async def detokenize(state: ServerState, request: Request) -> Response:
+    body: DetokenizeBody = decode(await calls.read_body(state, request), DetokenizeBody)
+    calls.check_model(state, body.model)
+    vocab = state.fleet.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+    return calls.json_response({"prompt": state.parser.tokenizer.decode(body.tokens)})

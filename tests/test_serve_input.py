@@ -1,0 +1,239 @@
+"""`tito serve` refuses bad input with a 400 naming the field and keeps serving (no 500, no session
+left behind): duplicate request ids, out-of-range sampling values, deeply nested and oversized bodies,
+template kwargs that would override the server's own arguments; and a deleted session's rows are on
+disk when the DELETE returns.
+
+The server runs replay engines in-process (no Ray: quick to start) over real HTTP on loopback, with the
+Qwen2.5 tokenizer fixture and a real RendererService writing real Arrow shards.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ._support import ours, tokenizer_dir
+
+QWEN = "qwen2.5-7b-instruct"
+VOCAB = 151665
+MAX_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from renderers import create_renderer
+    from rollout.engines.replay import ReplayEngine
+    from rollout.renderer_service import RendererService
+    from rollout.serve.app import ServerState
+    from rollout.serve.fleet import Fleet
+    from rollout.serve.launch import ServerThread
+    from rollout.serve.sessions import SessionManager
+
+    out = tmp_path_factory.mktemp("shards")
+    engines = [ReplayEngine(synthetic=True, vocab_size=VOCAB, max_model_len=MAX_LEN, token_delay_s=0.002)
+               for _ in range(2)]
+    service = RendererService(str(tokenizer_dir(QWEN)), out_dir=str(out), rows_per_file=1024)
+    state = ServerState(fleet=Fleet(engines, [e.info() for e in engines]),
+                        sessions=SessionManager([service], idle_timeout_s=600, max_sessions=100, write_samples=True),
+                        parser=create_renderer(ours(QWEN)), model_names=["qwen-test"], root="qwen-test",
+                        default_max_tokens=16)
+    srv = ServerThread(state).start()
+    srv.out_dir = out
+    yield srv
+    srv.stop()
+
+
+def call(srv, method: str, path: str, body=None, headers=None, raw: bytes | None = None, timeout=60):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(srv.url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def still_serving(srv) -> None:
+    status, r = call(srv, "POST", "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}})
+    assert status == 200 and len(r["choices"][0]["token_ids"]) == 2, r
+
+
+def session_ids(srv) -> set[str]:
+    status, r = call(srv, "GET", "/v1/sessions")
+    assert status == 200
+    return {s["id"] for s in r["sessions"]}
+
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"messages": [{"role": "user", "content": ' + b"[" * depth + b"]" * depth + b"}]}"
+
+
+@pytest.mark.parametrize("path,body,param,needle", [
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"max_tokens": 2, "seed": 2**63}},
+     "sampling_params.seed", "seed"),
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"max_tokens": 2, "seed": -(2**63) - 1}},
+     "sampling_params.seed", "seed"),
+    ("/v1/chat/completions", {"messages": USER, "seed": 2**64 - 1}, "seed", "seed"),
+    ("/v1/completions", {"prompt": [1, 2], "seed": 2**63}, "seed", "seed"),
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"max_tokens": 2, "temperature": 1e-300}},
+     "sampling_params.temperature", "temperature"),
+    ("/v1/chat/completions", {"messages": USER, "temperature": 1e-300}, "temperature", "temperature"),
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"max_tokens": 2, "top_k": -2}},
+     "sampling_params.top_k", "top_k"),
+    ("/v1/chat/completions", {"messages": USER, "top_k": -5}, "top_k", "top_k"),
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"max_tokens": 2, "logprobs": -1}},
+     "sampling_params.logprobs", "logprobs"),
+    ("/v1/completions", {"prompt": [1, 2], "logprobs": -1}, "logprobs", "logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": -1}, "top_logprobs", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}},
+     "chat_template_kwargs.add_generation_prompt", "add_generation_prompt"),
+    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"messages": []}},
+     "chat_template_kwargs.messages", "messages"),
+    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"tools": None}},
+     "chat_template_kwargs.tools", "tools"),
+])
+def test_out_of_range_values_are_400_naming_the_field(server, path, body, param, needle):
+    status, r = call(server, "POST", path, body)
+    assert status == 400, r
+    assert needle in r["error"]["message"] and r["error"]["param"] == param, r
+    still_serving(server)
+
+
+@pytest.mark.parametrize("depth", [65, 10_000, 1_000_000])
+def test_deeply_nested_json_is_400_before_decoding(server, depth):
+    for path in ("/v1/chat/completions", "/inference/v1/generate", "/v1/completions"):
+        status, r = call(server, "POST", path, raw=_nested(depth))
+        assert status == 400 and "nested" in r["error"]["message"], r
+    # inside strings, brackets are text, not nesting
+    status, r = call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "[" * 300}],
+                                                              "max_tokens": 2})
+    assert status == 200, r
+    still_serving(server)
+
+
+def _raw_exchange(srv, head: bytes, chunks=()) -> bytes:
+    """Send a request head (and body chunks until the server stops reading), return the reply's head."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    reply = b""
+    try:
+        sock.sendall(head)
+        for chunk in chunks:
+            sock.sendall(chunk)
+    except OSError:  # the server answered and closed while we were still sending
+        pass
+    sock.settimeout(10)
+    try:
+        while b"\r\n\r\n" not in reply:
+            data = sock.recv(65536)
+            if not data:
+                break
+            reply += data
+    except OSError:
+        pass
+    sock.close()
+    return reply
+
+
+def test_oversized_body_is_refused_from_content_length_and_while_reading(server):
+    # a declared 50 MB body is refused before a byte of it is sent
+    t0 = time.perf_counter()
+    reply = _raw_exchange(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          + f"Content-Length: {50 * 2**20}\r\n\r\n".encode())
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
+    assert time.perf_counter() - t0 < 5
+    # a chunked body (no Content-Length) is cut off once it passes the limit while it is read
+    chunk = b"a" * 2**20
+    reply = _raw_exchange(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                          b"Content-Type: application/json\r\n\r\n",
+                          (f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n" for _ in range(64)))
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
+    still_serving(server)
+
+
+def test_chat_prompt_too_long_is_refused_before_tokenizing(server):
+    # 8 MB of text under the body limit: no token of this vocabulary holds more than max_token_bytes bytes,
+    # so it cannot fit in 1024 tokens, and the server says so without tokenizing it
+    text = "hello world " * (8 * 2**20 // 12)
+    t0 = time.perf_counter()
+    status, r = call(server, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]},
+                     headers={"X-Session-ID": "too-long"})
+    elapsed = time.perf_counter() - t0
+    assert status == 400 and r["error"]["param"] == "messages", r
+    assert "bytes of message text" in r["error"]["message"] and "max_model_len 1024" in r["error"]["message"]
+    assert elapsed < 5, elapsed
+    assert "too-long" not in session_ids(server)
+    still_serving(server)
+
+
+def test_invalid_chat_requests_create_no_session(server):
+    before = session_ids(server)
+    bad = [
+        {"messages": [{"role": "robot", "content": "x"}]},
+        {"messages": USER, "max_tokens": MAX_LEN},
+        {"messages": USER, "seed": 2**63},
+        {"messages": USER, "temperature": -1},
+        {"messages": USER, "n": 2},
+        {"messages": [{"role": "assistant", "content": "x"}]},
+    ]
+    for i, body in enumerate(bad):
+        status, r = call(server, "POST", "/v1/chat/completions", body, headers={"X-Session-ID": f"invalid-{i}"})
+        assert status == 400, (body, r)
+    assert session_ids(server) == before
+    # the same id then works as a fresh session
+    status, r = call(server, "POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 3},
+                     headers={"X-Session-ID": "invalid-0"})
+    assert status == 200 and r["session"]["prompt"] == "first", r
+    assert call(server, "DELETE", "/v1/sessions/invalid-0")[0] == 200
+
+
+def test_duplicate_request_id_is_refused_and_the_first_still_aborts(server):
+    out = {}
+    body = {"token_ids": [42, 43], "request_id": "dup-1",
+            "sampling_params": {"max_tokens": 900, "ignore_eos": True, "temperature": 0}}
+    t = threading.Thread(target=lambda: out.update(r=call(server, "POST", "/inference/v1/generate", body)))
+    t.start()
+    time.sleep(0.3)
+    status, r = call(server, "POST", "/inference/v1/generate", {**body, "sampling_params": {"max_tokens": 3}})
+    assert status == 409 and "dup-1" in r["error"]["message"] and r["error"]["param"] == "request_id", r
+    status, r = call(server, "POST", "/v1/chat/completions", {"messages": USER, "request_id": "dup-1"})
+    assert status == 409, r
+    status, r = call(server, "POST", "/inference/v1/abort_requests", {"request_ids": ["dup-1"]})
+    assert status == 200 and r["aborted"] == ["dup-1"], r
+    t.join(10)
+    status, r = out["r"]
+    assert status == 200 and r["choices"][0]["finish_reason"] == "abort"
+    assert 0 < len(r["choices"][0]["token_ids"]) < 900
+    # once finished, the id may be used again
+    status, r = call(server, "POST", "/inference/v1/generate", {**body, "sampling_params": {"max_tokens": 3}})
+    assert status == 200 and len(r["choices"][0]["token_ids"]) == 3
+
+
+def test_delete_writes_the_sessions_rows_at_once(server):
+    import pyarrow as pa
+
+    sid = "flush-me"
+    status, r = call(server, "POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 4,
+                                                              "return_token_ids": True}, headers={"X-Session-ID": sid})
+    assert status == 200, r
+    status, d = call(server, "DELETE", f"/v1/sessions/{sid}")
+    assert status == 200 and d["rows_written"] == 1, d
+    rows = []
+    for path in sorted(Path(server.out_dir).glob("data/*.arrow")):
+        with pa.memory_map(str(path)) as source:
+            table = pa.ipc.open_file(source).read_all()
+        rows += [row for row in table.to_pylist() if row["rollout_id"] == sid]
+    (row,) = rows
+    assert row["task_id"] == sid and row["token_ids"] == r["prompt_token_ids"] + r["choices"][0]["token_ids"]
+    assert sum(row["loss_mask"]) == 4
