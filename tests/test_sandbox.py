@@ -269,10 +269,12 @@ def test_runs_unprivileged() -> None:
         "    print('became root')\n"
         "except OSError as e:\n"
         "    print(e.strerror)\n"
+        "import socket\n"
+        "print(socket.gethostname())  # its own UTS namespace\n"
     )
     result = run(code)
     zero = "0000000000000000"
-    assert result.stdout == f"1000 1000 [] ['{zero}', '{zero}', '{zero}', '1']\nOperation not permitted\n"
+    assert result.stdout == f"1000 1000 [] ['{zero}', '{zero}', '{zero}', '1']\nOperation not permitted\nsandbox\n"
 
 
 # -- processes: none outlives the call, and their number is bounded ----------------------------------------
