@@ -209,7 +209,7 @@ async def run_python(
     """
     cpu = cpu_s if cpu_s is not None else max(1, int(-(-timeout_s // 1))) + 1
     start = time.monotonic()
-    # ignore_cleanup_errors: a process that escaped the kill may still be writing in the directory
+    # ignore_cleanup_errors: without the sandbox, a process that escaped the kill may still be writing there
     with tempfile.TemporaryDirectory(prefix="tito-sandbox-", ignore_cleanup_errors=True) as workdir:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir}
         limits = (memory_mb * 2**20, cpu, max_file_mb * 2**20, max_processes, disk_mb * 2**20)
@@ -251,8 +251,8 @@ async def run_python(
                 _kill_init(init)
                 await _exited(process, _TEARDOWN_S)
             _kill_group(process.pid)
-            # Bounded waits: a process that left the group (setsid) and still holds the pipes must not hang
-            # the rollout. What was read so far is kept; the runaway is still bound by the rlimits it inherited.
+            # Bounded waits: without the sandbox, a process that left the group (setsid) and still holds the
+            # pipes must not hang the rollout. What was read so far is kept; the runaway keeps its rlimits.
             try:
                 await asyncio.wait_for(readers, _DRAIN_S)
             except TimeoutError:
