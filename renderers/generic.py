@@ -46,14 +46,16 @@ from .annotate import (
     past_closing,
     snap,
 )
-from .base import THINKING_RETENTION, Renderer, TemplateRejected, bridged
+from .base import THINKING_RETENTION, Renderer, TemplateRejected
 from .dialects import dialect_for
+from .full_bridge import Conversations
+from .generic_bridge import GenericBridge
 from .messages import MessageError, normalize_messages, normalize_tools
 from .pieces import Piece, encode_pieces
-from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, Probe, closers, probe_template, splice_point
+from .probe import Probe, probe_template
 from .template_env import compile_template, defused_template
 from .tokenizer import Tokenizer
-from .types import Break, BreakReason, Bridged, Capabilities, ParsedResponse, RenderedTokens
+from .types import Capabilities, ParsedResponse, RenderedTokens
 
 # Private-use characters: defusing markers, and marking message text. Inputs that contain any of them
 # are rendered without marks (coarser attribution), never wrongly.
@@ -61,7 +63,7 @@ _END_OF_TEXT = re.compile(r"<\|?(endoftext|end_of_text|eos)\|?>|<｜end▁of▁s
 _PROBE_CACHE: dict[tuple, tuple[Any, Probe]] = {}  # (template sha256, backend id, kwargs) -> (backend, probe)
 
 
-class GenericRenderer(Renderer):
+class GenericRenderer(GenericBridge, Renderer):
     """Any chat template (see the module docstring). Capabilities, template kwargs, stop tokens and
     the bridge come from probing the template when the renderer is built."""
 
@@ -87,6 +89,7 @@ class GenericRenderer(Renderer):
         # a model may also stop on its end-of-text token (Qwen's <|endoftext|>, Llama's <|end_of_text|>, <eos>)
         self._end_of_text = tuple(i for t, i in markers.items() if _END_OF_TEXT.fullmatch(t))
         self._probes: dict[tuple, Probe] = {}
+        self._conversations = Conversations()  # prompt ids -> their messages, for the full-render bridge
         base = self._probe({})
         # per template, not per class: what the probe found
         self.template_kwargs_allowed = dict(base.kwargs)
@@ -175,7 +178,10 @@ class GenericRenderer(Renderer):
             raise MessageError("messages is empty")
         tool_defs = _tools(tools)
         with self._kwargs_for_call(self.check_template_kwargs(template_kwargs)):
-            return self._render_tokens(msgs, tool_defs, add_generation_prompt)
+            rendered = self._render_tokens(msgs, tool_defs, add_generation_prompt)
+            if add_generation_prompt:  # a prompt a later bridge may need the conversation of
+                self._conversations.remember(rendered.token_ids, msgs, tool_defs, self.template_kwargs)
+            return rendered
 
     def _text(self, msgs: list[dict], tools: list[dict] | None, agp: bool, defuse: str | None = None) -> str:
         template = self.template
@@ -391,128 +397,6 @@ class GenericRenderer(Renderer):
             if a + h < end:
                 out.append((a + h, end))
         return out
-
-    # ---- bridge -----------------------------------------------------------------------------------
-
-    def _bridge(self, prev_prompt_ids, prev_completion_ids, new_messages, tools) -> Bridged | Break:
-        prefix_len = len(prev_prompt_ids) + len(prev_completion_ids)
-        checked = self._new_messages(new_messages, tools, prefix_len, keep_empty_tools=True)
-        if isinstance(checked, Break):
-            return checked
-        msgs, tool_defs = checked
-        completion = list(prev_completion_ids)
-        if self.think_ids is not None and self._ends_in_reasoning(prev_prompt_ids, completion):
-            stopped = bool(completion) and completion[-1] in self.stop_token_ids
-            reason = BreakReason.STOP_INSIDE_REASONING if stopped else BreakReason.TRUNCATED_INSIDE_REASONING
-            what = "sampled a stop token" if stopped else "was cut off"
-            return Break(reason, f"the completion {what} inside an unclosed reasoning block", position=prefix_len)
-        probe = self.probe
-        for m in msgs:
-            why = probe.continuations.get(m["role"])
-            if why is not None:
-                reason = BreakReason.TEMPLATE_NOT_APPEND_ONLY
-                if why.startswith("MOVES: "):
-                    why = why[len("MOVES: ") :]
-                    reason = BreakReason.SYSTEM_MESSAGE_MOVES if m["role"] == "system" else reason
-                return Break(reason, f"the generic renderer cannot bridge: {why}", prefix_len)
-        # A completion that stopped on a token the template closes turns with is extended after it (kept
-        # as sampled); anything else (cut off, or another stop id such as an end-of-text) gets the close
-        # the template puts after a reply followed by more messages, synthesized as context.
-        last = completion[-1] if completion else None
-        added = self.tokenizer.added_tokens
-        closing_ids = {added[t] for t in (*probe.stop_tokens, probe.history_close) if t}
-        closing = last not in closing_ids
-        if closing and probe.close_gap:
-            return Break(
-                BreakReason.NO_SPECIAL_TOKEN_ANCHOR,
-                f"the completion ended without a stop token and the template puts {probe.close_gap!r} before its close",
-                prefix_len,
-            )
-        return self._splice(prev_prompt_ids, completion, msgs, tool_defs, closing, prefix_len)
-
-    def _histories(self, completion: list[int]) -> list[list[dict]]:
-        """Sentinel histories ending in an assistant turn shaped like the one just sampled: its tool calls
-        by name (templates render tool results by them) and its reasoning (to see what the template
-        drops). The reply's text is the anchor; a template that refuses text next to reasoning and tool
-        calls (gpt-oss) gets the anchor as the reasoning instead."""
-        parsed = self.parse_response(completion)
-        calls = [
-            {"id": f"call_{i}", "type": "function", "function": {"name": c.name or PROBE_CALL["function"]["name"], "arguments": {}}}
-            for i, c in enumerate(parsed.tool_calls)
-        ]
-        extra: dict[str, Any] = {"tool_calls": calls} if calls else {}
-        user = {"role": "user", "content": SENT_USER}
-        if not parsed.reasoning_content:
-            return [[user, {"role": "assistant", "content": SENT_ASSISTANT, **extra}]]
-        return [
-            [user, {"role": "assistant", "content": SENT_ASSISTANT, "reasoning_content": SENT_USER, **extra}],
-            [user, {"role": "assistant", "reasoning_content": SENT_ASSISTANT, **extra}],
-        ]
-
-    def _splice(self, prompt, completion, msgs, tools, needs_close: bool, prefix_len) -> Bridged | Break:
-        if not self.probe.tools_in_tail:
-            tools = None  # the probe found they only change text before the splice: do not render them
-        error = None
-        for history in self._histories(completion):
-            conversation = history + msgs
-            try:
-                full = self._text(conversation, tools, True)
-                break
-            except TemplateRejected as exc:
-                error = exc
-        else:
-            return Break(BreakReason.TEMPLATE_ERROR, str(error), prefix_len)
-        specials, content = self._annotate(conversation, tools, True, full)
-        h = len(history)
-        anchor = closers(self.probe, self._added_re)
-        # after the last turn-closing token before the new messages' text: an assistant turn with tool
-        # calls may be several closed messages (gpt-oss renders its text and each call apart)
-        first_new = min((s for s, _e, i in content if i >= h), default=None)
-        cut = splice_point(full, anchor, first_new)
-        if cut is None:
-            return Break(
-                BreakReason.NO_SPECIAL_TOKEN_ANCHOR,
-                "the template puts no turn-closing token after the assistant turn before the new messages",
-                prefix_len,
-            )
-        if self.thinking_retention == "template":
-            brk = self._rewrites_history(history, tools, full, cut, anchor, prefix_len)
-            if brk is not None:
-                return brk
-        # the close the template puts at the splice (gpt-oss: <|call|> after a tool call, else <|end|>)
-        closing = [self._token_ending_at(full, cut, specials)] if needs_close else []
-        for s, _e, i in content:
-            if i >= h and s < cut:
-                role = conversation[i]["role"]
-                reason = BreakReason.SYSTEM_MESSAGE_MOVES if role == "system" else BreakReason.TEMPLATE_NOT_APPEND_ONLY
-                return Break(reason, f"the template renders new message {i - h} ({role}) before the assistant turn's close", 0)
-        starts = self._boundaries(conversation, tools, True, full, specials, content, bridging=True)
-        pieces = self._assemble(conversation, full, specials, content, starts, start_at=cut)
-        tail = [(text, k - h if k >= h else -1, is_content, False) for text, k, is_content, _ in pieces]
-        rendered = encode_pieces(self.tokenizer, tail)
-        return bridged(prompt, completion, closing, rendered)  # the tail's pieces are all unsampled
-
-    def _token_ending_at(self, text: str, end: int, specials: list[tuple[int, int, int]]) -> int:
-        for _s, e, tid in specials:
-            if e == end:
-                return tid
-        return self.tokenizer.added_tokens[self.probe.history_close]  # type: ignore[index]
-
-    def _rewrites_history(self, history, tools, full, cut, anchor, prefix_len) -> Break | None:
-        """``thinking_retention="template"``: would the template render the sampled turn (or the prompt
-        before it) differently once the new messages follow?"""
-        alone = self._try_text(history, tools, False)
-        prompt = self._try_text(history[:-1], tools, True)
-        alone_cut = splice_point(alone, anchor) if alone is not None else None
-        if alone_cut is None or alone[:alone_cut] != full[:cut] or prompt is None or not full.startswith(prompt):
-            # e.g. gpt-oss closes a final reply with <|return|> and the same reply in history with <|end|>
-            return Break(
-                BreakReason.TEMPLATE_REWRITES_HISTORY,
-                "the template renders the sampled assistant turn (or the prompt before it) differently once "
-                "new messages follow",
-                position=prefix_len,
-            )
-        return None
 
     # ---- parsing ----------------------------------------------------------------------------------
 

@@ -225,6 +225,13 @@ def _continuation(template: ChatTemplate, probe: Probe, role: str, special: dict
             return f"MOVES: the template renders a {role} message before the assistant turn it follows"
         if SENT_NEW not in full[cut:]:
             return f"the template does not render a {role} message after an assistant turn"
+        # the history up to its last user message must render as it did alone: a template that moves a
+        # system prompt or tool list next to the last user message rewrites it (the tails alone look the
+        # same). The last assistant turn itself may differ (Qwen3's empty think block, gpt-oss' close).
+        alone = _try(template, history, tools or ([PROBE_TOOL] if k == 2 else None), False, special, kwargs)
+        last_user = -1 if alone is None else alone.rfind(SENT_USER)
+        if last_user < 0 or alone[:last_user] != full[: full.rfind(SENT_USER, 0, cut)]:
+            return f"the template renders the earlier conversation differently once a {role} message follows"
         tails.append(full[cut:])
     if len(set(tails)) > 1:
         return f"what the template renders for a {role} message depends on the earlier conversation"

@@ -1,0 +1,165 @@
+"""The generic bridge where the load-time probe finds a template not append-only: render the whole
+conversation and bridge when it extends the previous tokens exactly.
+
+The probe answers for every conversation at once, from sentinel histories. A template that keeps
+conversation-wide state (DeepSeek's first tool round, a system prompt or tool list placed next to the
+last user message, Llama 3.1's tool calls that drop the reply's text) is flagged for all of them, yet
+for a given conversation its full render very often does start with the previous prompt plus the
+completion as sampled. So, for those turns, the bridge renders history + the sampled turn (as its
+parsed assistant message) + the new messages, and keeps the render's tail when its ids start with
+``prev_prompt_ids + prev_completion_ids`` exactly: the check is on the ids the model sampled, never
+on a re-render of them. Where they differ, the Break names the first diverging position.
+
+The bridge is given ids, not messages: :class:`Conversations` remembers which conversation each
+prompt the renderer produced was rendered from (``render(..., add_generation_prompt=True)`` and every
+successful bridge), so a caller that only passes ids back (the renderer service) needs nothing more.
+A caller may also pass the history itself (``GenericRenderer.bridge(..., history=messages)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .base import TemplateRejected
+from .messages import MessageError
+from .types import Break, BreakReason, Bridged, RenderedTokens
+
+if TYPE_CHECKING:
+    from .generic import GenericRenderer
+
+_TAIL = 32  # the key: a prompt's length and its last ids (the entry is verified in full before use)
+
+
+@dataclass
+class _Entry:
+    ids: list[int]  # the prompt, as the renderer returned it (verified against the caller's ids on use)
+    messages: list[dict]  # the messages after the parent's (all of them when there is no parent)
+    parent: _Entry | None
+    tools: list[dict] | None
+    kwargs: dict[str, Any]
+    completion: list[int] | None = None  # the sampled turn before ``messages``, parsed only when recalled
+
+
+class Conversations:
+    """Prompt ids -> the conversation they render, for the last ``limit`` prompts a renderer produced.
+
+    Remembering costs O(1) in the history (a key of the prompt's length and last ids; a bridge's entry
+    points at its parent's), so the append-only bridge stays flat; recalling, needed only where the
+    whole conversation is rendered anyway, verifies every link against the caller's ids."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._entries: dict[tuple, _Entry] = {}
+
+    @staticmethod
+    def _key(ids: list[int]) -> tuple:
+        return (len(ids), tuple(ids[-_TAIL:]))
+
+    def _put(self, entry: _Entry) -> None:
+        entries = self._entries
+        key = self._key(entry.ids)
+        entries.pop(key, None)
+        if len(entries) >= self.limit:
+            del entries[next(iter(entries))]  # the oldest
+        entries[key] = entry
+
+    def remember(self, ids: list[int], messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any]) -> None:
+        """``ids`` is the prompt rendered from ``messages`` (with the generation prompt)."""
+        self._put(_Entry(ids, list(messages), None, tools, dict(kwargs)))
+
+    def extend(
+        self, prompt: list[int], ids: list[int], completion: list[int], new: list[dict], tools, kwargs: dict[str, Any]
+    ) -> None:
+        """``ids`` is the prompt that bridging from ``prompt`` produced: ``completion`` (the sampled turn,
+        kept as ids and parsed only if ever recalled) and the ``new`` messages appended. Nothing is
+        kept when ``prompt`` is unknown."""
+        parent = self._entries.get(self._key(prompt))
+        if parent is not None:
+            self._put(_Entry(ids, list(new), parent, tools, dict(kwargs), list(completion)))
+
+    def recall(
+        self, prompt: list[int], tools: list[dict] | None, kwargs: dict[str, Any], parse: Callable[[list[int]], dict]
+    ) -> list[dict] | None:
+        """The messages ``prompt`` was rendered from with these tools and kwargs (``parse`` turns a
+        sampled turn into its assistant message), or None: unknown, or a remembered entry whose ids
+        do not match exactly."""
+        entry = self._entries.get(self._key(prompt))
+        if entry is None or entry.ids != prompt or entry.tools != tools or entry.kwargs != kwargs:
+            return None
+        chain = []
+        node: _Entry | None = entry
+        while node is not None:
+            parent = node.parent
+            if parent is not None and node.ids[: len(parent.ids)] != parent.ids:
+                return None  # a parent overwritten by another prompt with the same key
+            chain.append(node.messages)
+            if node.completion is not None:
+                chain.append([parse(node.completion)])
+            node = parent
+        messages = [m for part in reversed(chain) for m in part]
+        if entry.parent is not None:  # flatten: the next recall from here walks one link
+            self._put(_Entry(entry.ids, messages, None, tools, entry.kwargs))
+        return messages
+
+
+def assistant_message(renderer: GenericRenderer, completion: list[int], tools: list[dict] | None) -> dict:
+    """The sampled turn as the message a re-render uses: parsed, tool-call arguments in the form the
+    template renders in history."""
+    return renderer.parse_response(completion, tools=tools).to_message(renderer.history_arguments)
+
+
+def full_bridge(
+    renderer: GenericRenderer,
+    prompt: list[int],
+    completion: list[int],
+    history: list[dict],
+    assistant: dict,
+    msgs: list[dict],
+    tools: list[dict] | None,
+    closing_ids: set[int],
+    why: str,
+) -> Bridged | Break:
+    """Bridge by rendering ``history + [assistant] + msgs``: the render's tail when its ids start with
+    ``prompt + completion`` exactly (after a completion that did not close its turn, the render's
+    close right after it is the synthesized token), else a Break naming where they diverge. ``why``:
+    what the probe found, for the Break's detail."""
+    prefix = [*prompt, *completion]
+    n = len(prefix)
+    conversation = [*history, assistant, *msgs]
+    try:
+        rendered = renderer._render_tokens(conversation, tools, True)
+    except (TemplateRejected, MessageError) as exc:
+        return Break(BreakReason.TEMPLATE_ERROR, f"the template rejects the conversation with the new messages: {exc}", n)
+    ids = rendered.token_ids
+    if ids[:n] != prefix:
+        at = next((i for i, (a, b) in enumerate(zip(ids, prefix)) if a != b), min(len(ids), n))
+        where = f"token {at} of the previous prompt" if at < len(prompt) else f"token {at - len(prompt)} of the completion"
+        moves = why.startswith("MOVES: ") and any(m["role"] == "system" for m in msgs)
+        reason = BreakReason.SYSTEM_MESSAGE_MOVES if moves else BreakReason.TEMPLATE_NOT_APPEND_ONLY
+        got = ids[at] if at < len(ids) else None
+        return Break(
+            reason,
+            f"the full render with the new messages differs from the previous tokens at {where} "
+            f"(render id {got}, previous id {prefix[at] if at < n else None}); the probe found: {why.removeprefix('MOVES: ')}",
+            at,
+        )
+    synthesized = 0
+    if not completion or completion[-1] not in closing_ids:
+        if n >= len(ids) or ids[n] not in closing_ids:
+            return Break(
+                BreakReason.NO_SPECIAL_TOKEN_ANCHOR,
+                "the completion ended without a stop token and the full render puts no turn-closing token right after it",
+                n,
+            )
+        synthesized = 1
+    h = len(history) + 1
+    start = n + synthesized
+    appended = RenderedTokens(
+        token_ids=ids[n:],
+        message_indices=[-1] * synthesized + [i - h if i >= h else -1 for i in rendered.message_indices[start:]],
+        sampled_mask=[False] * (len(ids) - n),  # context: the model samples none of it
+        is_content=[False] * synthesized + rendered.is_content[start:],
+    )
+    return Bridged(token_ids=ids, prefix_len=n, appended=appended, synthesized=synthesized)

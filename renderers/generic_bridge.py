@@ -1,0 +1,200 @@
+"""The generic renderer's bridge (a mixin of :class:`renderers.generic.GenericRenderer`).
+
+Where the load-time probe found a new message's role append-only after an assistant turn, the bridge
+splices: it renders a sentinel history shaped like the sampled turn plus the new messages, and appends
+the text after the turn's close (``_splice``). Where the probe found it not append-only, or the splice
+finds this conversation's render is not, the whole conversation is rendered and the turn bridged when
+that render extends the previous ids exactly (renderers/full_bridge.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import TemplateRejected, bridged
+from .full_bridge import assistant_message, full_bridge
+from .messages import MessageError, normalize_messages
+from .pieces import encode_pieces
+from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, closers, splice_point
+from .types import Break, BreakReason, Bridged
+
+# Breaks of the splice that say this conversation's render is not append-only: the full render decides.
+_RENDER_IN_FULL = (BreakReason.TEMPLATE_NOT_APPEND_ONLY, BreakReason.SYSTEM_MESSAGE_MOVES, BreakReason.NO_SPECIAL_TOKEN_ANCHOR)
+
+
+class GenericBridge:
+    """The bridge methods of the generic renderer (they use its probe, template and tokenizer)."""
+
+    def bridge(
+        self,
+        prev_prompt_ids: list[int],
+        prev_completion_ids: list[int],
+        new_messages: Any,
+        tools: Any = None,
+        *,
+        history: Any = None,
+        **template_kwargs: Any,
+    ) -> Bridged | Break:
+        """As :meth:`Renderer.bridge`. ``history``: the messages ``prev_prompt_ids`` was rendered from;
+        where the probe finds the template not append-only for the new messages, the bridge renders
+        the whole conversation and extends when that render starts with the previous ids exactly
+        (renderers/full_bridge.py). Without it, the conversation of a prompt this renderer produced
+        (a render with the generation prompt, or a bridge) is recalled."""
+        prefix_len = len(prev_prompt_ids) + len(prev_completion_ids)
+        try:
+            overrides = self.check_template_kwargs(template_kwargs)
+            known = None if history is None else normalize_messages(history)
+        except (ValueError, MessageError) as exc:
+            return Break(BreakReason.INVALID_MESSAGES, str(exc), prefix_len)
+        with self._kwargs_for_call(overrides):
+            return self._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools, known)
+
+    def _bridge(self, prev_prompt_ids, prev_completion_ids, new_messages, tools, history=None) -> Bridged | Break:
+        prefix_len = len(prev_prompt_ids) + len(prev_completion_ids)
+        checked = self._new_messages(new_messages, tools, prefix_len, keep_empty_tools=True)
+        if isinstance(checked, Break):
+            return checked
+        msgs, tool_defs = checked
+        completion = list(prev_completion_ids)
+        if self.think_ids is not None and self._ends_in_reasoning(prev_prompt_ids, completion):
+            stopped = bool(completion) and completion[-1] in self.stop_token_ids
+            reason = BreakReason.STOP_INSIDE_REASONING if stopped else BreakReason.TRUNCATED_INSIDE_REASONING
+            what = "sampled a stop token" if stopped else "was cut off"
+            return Break(reason, f"the completion {what} inside an unclosed reasoning block", position=prefix_len)
+        probe = self.probe
+        # what the probe found for the first new message whose role is not append-only after a turn
+        why = next((w for m in msgs if (w := probe.continuations.get(m["role"])) is not None), None)
+        # A completion that stopped on a token the template closes turns with is extended after it (kept
+        # as sampled); anything else (cut off, or another stop id such as an end-of-text) gets the close
+        # the template puts after a reply followed by more messages, synthesized as context.
+        last = completion[-1] if completion else None
+        added = self.tokenizer.added_tokens
+        closing_ids = {added[t] for t in (*probe.stop_tokens, probe.history_close) if t}
+        closing = last not in closing_ids
+        if closing and probe.close_gap:
+            return Break(
+                BreakReason.NO_SPECIAL_TOKEN_ANCHOR,
+                f"the completion ended without a stop token and the template puts {probe.close_gap!r} before its close",
+                prefix_len,
+            )
+        result = None
+        if why is None:
+            result = self._splice(prev_prompt_ids, completion, msgs, tool_defs, closing, prefix_len)
+            if isinstance(result, Break) and result.reason in _RENDER_IN_FULL:
+                why = result.detail  # the splice found this conversation's render not append-only
+        if why is not None:
+            result = self._bridge_in_full(prev_prompt_ids, completion, msgs, tool_defs, history, why, closing_ids, result)
+        if isinstance(result, Bridged):
+            kw = self.template_kwargs
+            if history is not None:
+                added = [*history, assistant_message(self, completion, tool_defs), *msgs]
+                self._conversations.remember(result.token_ids, added, tool_defs, kw)
+            else:  # O(1) in the history: the sampled turn is parsed only if a later bridge needs it
+                self._conversations.extend(prev_prompt_ids, result.token_ids, completion, msgs, tool_defs, kw)
+        return result
+
+    def _bridge_in_full(self, prompt, completion, msgs, tools, history, why, closing_ids, splice_break) -> Bridged | Break:
+        """The full-render bridge (renderers/full_bridge.py) for the conversation behind ``prompt``; where
+        that conversation is unknown, the splice's Break, or the probe's finding as one."""
+        prefix_len = len(prompt) + len(completion)
+        tk = self.template_kwargs
+        if history is None:
+            history = self._conversations.recall(prompt, tools, tk, lambda ids: assistant_message(self, ids, tools))
+        if history is None:
+            if splice_break is not None:
+                return splice_break
+            reason = BreakReason.TEMPLATE_NOT_APPEND_ONLY
+            if why.startswith("MOVES: ") and any(m["role"] == "system" for m in msgs):
+                reason = BreakReason.SYSTEM_MESSAGE_MOVES
+            return Break(
+                reason,
+                f"the generic renderer cannot bridge: {why.removeprefix('MOVES: ')}, and the conversation behind "
+                "the previous prompt is unknown (not rendered or bridged by this renderer; pass history=)",
+                prefix_len,
+            )
+        assistant = assistant_message(self, completion, tools)
+        return full_bridge(self, prompt, completion, history, assistant, msgs, tools, closing_ids, why)
+
+    def _histories(self, completion: list[int]) -> list[list[dict]]:
+        """Sentinel histories ending in an assistant turn shaped like the one just sampled: its tool calls
+        by name (templates render tool results by them) and its reasoning (to see what the template
+        drops). The reply's text is the anchor; a template that refuses text next to reasoning and tool
+        calls (gpt-oss) gets the anchor as the reasoning instead."""
+        parsed = self.parse_response(completion)
+        calls = [
+            {"id": f"call_{i}", "type": "function", "function": {"name": c.name or PROBE_CALL["function"]["name"], "arguments": {}}}
+            for i, c in enumerate(parsed.tool_calls)
+        ]
+        extra: dict[str, Any] = {"tool_calls": calls} if calls else {}
+        user = {"role": "user", "content": SENT_USER}
+        if not parsed.reasoning_content:
+            return [[user, {"role": "assistant", "content": SENT_ASSISTANT, **extra}]]
+        return [
+            [user, {"role": "assistant", "content": SENT_ASSISTANT, "reasoning_content": SENT_USER, **extra}],
+            [user, {"role": "assistant", "reasoning_content": SENT_ASSISTANT, **extra}],
+        ]
+
+    def _splice(self, prompt, completion, msgs, tools, needs_close: bool, prefix_len) -> Bridged | Break:
+        if not self.probe.tools_in_tail:
+            tools = None  # the probe found they only change text before the splice: do not render them
+        error = None
+        for history in self._histories(completion):
+            conversation = history + msgs
+            try:
+                full = self._text(conversation, tools, True)
+                break
+            except TemplateRejected as exc:
+                error = exc
+        else:
+            return Break(BreakReason.TEMPLATE_ERROR, str(error), prefix_len)
+        specials, content = self._annotate(conversation, tools, True, full)
+        h = len(history)
+        anchor = closers(self.probe, self._added_re)
+        # after the last turn-closing token before the new messages' text: an assistant turn with tool
+        # calls may be several closed messages (gpt-oss renders its text and each call apart)
+        first_new = min((s for s, _e, i in content if i >= h), default=None)
+        cut = splice_point(full, anchor, first_new)
+        if cut is None:
+            return Break(
+                BreakReason.NO_SPECIAL_TOKEN_ANCHOR,
+                "the template puts no turn-closing token after the assistant turn before the new messages",
+                prefix_len,
+            )
+        if self.thinking_retention == "template":
+            brk = self._rewrites_history(history, tools, full, cut, anchor, prefix_len)
+            if brk is not None:
+                return brk
+        # the close the template puts at the splice (gpt-oss: <|call|> after a tool call, else <|end|>)
+        closing = [self._token_ending_at(full, cut, specials)] if needs_close else []
+        for s, _e, i in content:
+            if i >= h and s < cut:
+                role = conversation[i]["role"]
+                reason = BreakReason.SYSTEM_MESSAGE_MOVES if role == "system" else BreakReason.TEMPLATE_NOT_APPEND_ONLY
+                return Break(reason, f"the template renders new message {i - h} ({role}) before the assistant turn's close", 0)
+        starts = self._boundaries(conversation, tools, True, full, specials, content, bridging=True)
+        pieces = self._assemble(conversation, full, specials, content, starts, start_at=cut)
+        tail = [(text, k - h if k >= h else -1, is_content, False) for text, k, is_content, _ in pieces]
+        rendered = encode_pieces(self.tokenizer, tail)
+        return bridged(prompt, completion, closing, rendered)  # the tail's pieces are all unsampled
+
+    def _token_ending_at(self, text: str, end: int, specials: list[tuple[int, int, int]]) -> int:
+        for _s, e, tid in specials:
+            if e == end:
+                return tid
+        return self.tokenizer.added_tokens[self.probe.history_close]  # type: ignore[index]
+
+    def _rewrites_history(self, history, tools, full, cut, anchor, prefix_len) -> Break | None:
+        """``thinking_retention="template"``: would the template render the sampled turn (or the prompt
+        before it) differently once the new messages follow?"""
+        alone = self._try_text(history, tools, False)
+        prompt = self._try_text(history[:-1], tools, True)
+        alone_cut = splice_point(alone, anchor) if alone is not None else None
+        if alone_cut is None or alone[:alone_cut] != full[:cut] or prompt is None or not full.startswith(prompt):
+            # e.g. gpt-oss closes a final reply with <|return|> and the same reply in history with <|end|>
+            return Break(
+                BreakReason.TEMPLATE_REWRITES_HISTORY,
+                "the template renders the sampled assistant turn (or the prompt before it) differently once "
+                "new messages follow",
+                position=prefix_len,
+            )
+        return None

@@ -1,0 +1,186 @@
+"""The generic bridge where the probe finds a template not append-only: it renders the whole
+conversation and bridges every turn whose full render extends the previous prompt + the completion as
+sampled (renderers/full_bridge.py). Measured against transformers' full renders over multi-turn
+conversations on real fixture tokenizers: no needless break (a Break where the reference's full render
+does extend the previous ids), every bridge equal to the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+import pytest
+
+import renderers
+from renderers import Break, BreakReason, Bridged
+
+from .family_checks import Family, _has_marker, sampled_completion
+from .test_bridge import TOOLS, call
+from .test_generic_bridge import plain_chat, tool_chat
+
+VARIANT = Path(__file__).parent / "templates" / "test-variant-llama-3.1-system-at-last-user.jinja"
+
+
+def long_chat(system: bool, rounds: int = 4) -> list[dict]:
+    """User turns and single-call tool rounds in turn (Llama 3.1 takes one call per assistant turn)."""
+    out = [{"role": "system", "content": "You are precise. Use the tool for arithmetic."}] if system else []
+    for r in range(rounds):
+        out.append({"role": "user", "content": f"Round {r}: what is {r}+{r * 3}? Ünïcode 数据 🙂"})
+        out.append({"role": "assistant", "content": "", "tool_calls": [call(f"{r}+{r * 3}", r)]})
+        out.append({"role": "tool", "tool_call_id": f"c{r}", "content": str(4 * r)})
+        out.append({"role": "assistant", "content": f"It is {4 * r}."})
+    out.append({"role": "user", "content": "Thanks, bye."})
+    return out
+
+
+# the measured set (docs/renderers.md); the test runs a smaller one
+ALL_CONVS = [
+    (plain_chat(False), None),
+    (plain_chat(True), None),
+    (tool_chat(False), TOOLS),
+    (tool_chat(True), TOOLS),
+    (long_chat(False), TOOLS),
+    (long_chat(True), TOOLS),
+    (long_chat(True), None),
+]
+CONVS = [(plain_chat(True), None), (tool_chat(False), TOOLS), (long_chat(True, 3), TOOLS)]
+
+
+class VariantFamily(Family):
+    @property
+    def template(self) -> str:  # type: ignore[override]
+        return VARIANT.read_text(encoding="utf-8")
+
+    @property
+    def tok(self) -> renderers.Tokenizer:  # type: ignore[override]
+        from ._support import ours
+
+        return ours(self.tokenizer).with_chat_template(self.template, VARIANT.stem)
+
+
+# templates the probe flags not append-only for some role after an assistant turn (the measured set;
+# the test runs the first, Llama 3.1 and the variant)
+ALL_FAMILIES = [
+    Family("deepseek-v3", "deepseek-v3", renderer_name="generic"),
+    Family("deepseek-r1", "deepseek-r1", renderer_name="generic"),
+    Family("llama-3.1", "llama-3.1-8b-instruct", renderer_name="generic"),
+    Family("llama-3.2", "llama-3.2-3b-instruct", renderer_name="generic"),
+    Family("llama-3.3", "llama-3.1-8b-instruct", "meta-llama-Llama-3.3-70B-Instruct.jinja", renderer_name="generic"),
+    Family("nemotron-super", "llama-3.3-nemotron-super-49b-v1.5", renderer_name="generic"),
+    Family("gpt-oss", "gpt-oss-20b", renderer_name="generic"),
+    VariantFamily("variant-system-at-last-user", "llama-3.1-8b-instruct", renderer_name="generic"),
+]
+FAMILIES = [ALL_FAMILIES[0], ALL_FAMILIES[2], ALL_FAMILIES[-1]]
+
+
+def measure(family: Family, convs=CONVS) -> dict:
+    """Bridge every assistant turn followed by new messages, before (no history: the probe's answer
+    alone) and after (the history given): breaks, needless breaks and exact bridges. Asserts every
+    bridge of the full-render path equals the reference."""
+    before_r = family.renderer()
+    after_r = family.renderer()
+    c = {"turns": 0, "breaks_before": 0, "needless_before": 0, "breaks_after": 0, "needless_after": 0, "exact": 0, "kept": 0}
+    for messages, tools in convs:
+        for k, m in enumerate(messages):
+            nxt = next((j for j in range(k + 1, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
+            new = messages[k + 1 : nxt]
+            if m["role"] != "assistant" or not new or _has_marker(after_r.tokenizer, family.template, messages[:nxt], tools):
+                continue
+            try:
+                prompt = family.reference_ids(messages[:k], tools, agp=True)
+                full = family.reference_ids(messages[: k + 1], tools)
+                expected = family.reference_ids(messages[:nxt], tools, agp=True)
+            except (jinja2.exceptions.TemplateError, TypeError):
+                continue  # the template rejects this conversation
+            completion = sampled_completion(after_r, prompt, full)
+            if completion is None:
+                continue
+            extends = expected[: len(prompt) + len(completion)] == prompt + completion
+            c["turns"] += 1
+            old = before_r.bridge(prompt, completion, new, tools)
+            new_result = after_r.bridge(prompt, completion, new, tools, history=messages[:k])
+            for key, result in (("before", old), ("after", new_result)):
+                if isinstance(result, Break):
+                    assert result.reason in set(BreakReason)
+                    c[f"breaks_{key}"] += 1
+                    c[f"needless_{key}"] += extends
+            if isinstance(new_result, Bridged):
+                assert new_result.token_ids[: new_result.prefix_len] == prompt + completion
+                if extends:
+                    assert new_result.token_ids == expected, f"[{family.id}] turn {k} differs from the reference"
+                    assert not any(new_result.appended.sampled_mask)
+                    assert all(-1 <= i < len(new) for i in new_result.appended.message_indices)
+                    c["exact"] += 1
+                else:
+                    c["kept"] += 1  # the splice keeps the sampled prefix where the template rewrites it
+    return c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.id for f in FAMILIES])
+def test_no_needless_breaks(family: Family) -> None:
+    c = measure(family)
+    print(family.id, c)
+    assert c["needless_after"] == 0, c
+    assert c["exact"] >= 1, c
+    if isinstance(family, VariantFamily):
+        assert c["kept"] == 0 and c["needless_before"] > 0 and c["breaks_after"] > 0, c
+
+
+def rollout(r: renderers.Renderer, family: Family, messages: list[dict], tools) -> tuple[int, int]:
+    """A rollout as the renderer service runs it: the first prompt rendered, then every turn bridged
+    from ids alone (no history passed), re-rendered after a Break. Every prompt must equal the
+    reference's. Returns (bridged turns, breaks)."""
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    prompt = r.render(messages[: turns[0]], tools, add_generation_prompt=True).token_ids
+    bridged = breaks = 0
+    for k in turns:
+        nxt = next((j for j in range(k + 1, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
+        if nxt == k + 1 or nxt == len(messages) and k + 1 == len(messages):
+            break
+        completion = sampled_completion(r, prompt, family.reference_ids(messages[: k + 1], tools))
+        assert completion is not None, f"[{family.id}] turn {k}: the reference does not extend the prompt"
+        result = r.bridge(prompt, completion, messages[k + 1 : nxt], tools)
+        expected = family.reference_ids(messages[:nxt], tools, agp=True)
+        if isinstance(result, Break):
+            breaks += 1
+            prompt = r.render(messages[:nxt], tools, add_generation_prompt=True).token_ids
+        else:
+            bridged += 1
+            prompt = result.token_ids
+        assert prompt == expected, f"[{family.id}] turn {k}: {result}"
+    return bridged, breaks
+
+
+@pytest.mark.parametrize("family", [FAMILIES[0], FAMILIES[-1]], ids=["deepseek-v3", "variant-system-at-last-user"])
+def test_rollouts_bridge_from_ids_alone(family: Family) -> None:
+    """The renderer remembers the conversation behind each prompt it produced, so the service's calls
+    (ids only) get the full-render bridge: DeepSeek V3's tool rounds never break, and the variant
+    breaks only where the system prompt moves to a new last user message."""
+    r = family.renderer()
+    bridged, breaks = rollout(r, family, long_chat(False), TOOLS)
+    # DeepSeek V3: every turn; the variant: the 4 tool results, never the 4 user turns that move the system block
+    expected = (8, 0) if family.id == "deepseek-v3" else (4, 4)
+    assert (bridged, breaks) == expected
+    no_system_no_tools = [m for m in long_chat(False) if m["role"] in ("user", "assistant") and not m.get("tool_calls")]
+    assert rollout(family.renderer(), family, no_system_no_tools, None) == (4, 0)
+
+
+def test_unknown_history_breaks_with_the_probes_finding_and_a_wrong_history_never_bridges() -> None:
+    family = FAMILIES[0]
+    r = family.renderer()
+    messages = long_chat(True)
+    k = next(i for i, m in enumerate(messages) if m.get("tool_calls"))
+    prompt = family.reference_ids(messages[:k], TOOLS, agp=True)
+    completion = sampled_completion(r, prompt, family.reference_ids(messages[: k + 1], TOOLS))
+    result = r.bridge(prompt, completion, messages[k + 1 : k + 2], TOOLS)
+    assert isinstance(result, Break) and result.reason is BreakReason.TEMPLATE_NOT_APPEND_ONLY
+    assert "unknown" in result.detail and "depends on the earlier conversation" in result.detail
+    wrong = [dict(m, content=m["content"] + " (edited)") if m["role"] == "user" else m for m in messages[:k]]
+    result = r.bridge(prompt, completion, messages[k + 1 : k + 2], TOOLS, history=wrong)
+    assert isinstance(result, Break) and result.reason is BreakReason.TEMPLATE_NOT_APPEND_ONLY
+    assert "previous prompt" in result.detail and result.position < len(prompt)
+    ok = r.bridge(prompt, completion, messages[k + 1 : k + 2], TOOLS, history=messages[:k])
+    assert isinstance(ok, Bridged) and ok.token_ids == family.reference_ids(messages[: k + 2], TOOLS, agp=True)
+    cut = r.bridge(prompt, completion[:-1], messages[k + 1 : k + 2], TOOLS, history=messages[:k])  # truncated
+    assert isinstance(cut, Bridged) and cut.synthesized == 1 and cut.token_ids == ok.token_ids
