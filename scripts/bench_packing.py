@@ -60,7 +60,7 @@ def make_shards(directory: Path, size_gb: float, file_mb: int, rng: np.random.Ge
     """Write one ShardWriter file of about ``file_mb`` and copy it until the directory holds ``size_gb``.
     Returns (bytes, files)."""
     rows_per_file = max(1, int(file_mb * 2**20 / (2070 * 14.2)))  # ~14.2 bytes/token on disk, 2070 tokens mean
-    w = ShardWriter(directory, fmt="arrow", rows_per_file=rows_per_file)
+    w = ShardWriter(directory, stream="shard", fmt="arrow", rows_per_file=rows_per_file)
     w.add(synthetic_rows(rows_per_file, rng))
     w.close()
     first = next(directory.glob("shard-*.arrow"))

@@ -140,17 +140,17 @@ def bench_embedded(concurrent: int) -> dict:
             "max_tokens_per_turn=32", "max_tokens_per_rollout=96", "sampling.seed=0"])
         summary = run(cfg, progress=False)
         sizes = {}
-        tokens = sum(f["tokens"] for f in json.loads((Path(out) / "manifest.json").read_text())["files"])
-        sizes["arrow"] = sum(p.stat().st_size for p in Path(out).glob("shard-*.arrow")) / tokens
+        tokens = sum(f["tokens"] for f in json.loads((Path(out) / "_manifest.json").read_text())["files"])
+        sizes["arrow"] = sum(p.stat().st_size for p in Path(out).glob("data/*.arrow")) / tokens
         # the same rows as Parquet
         from rollout.shards import ShardWriter, read_table
 
         pq_dir = Path(out) / "pq"
         w = ShardWriter(pq_dir, fmt="parquet", rows_per_file=10_000)
-        for p in Path(out).glob("shard-*.arrow"):
+        for p in Path(out).glob("data/*.arrow"):
             w.add(read_table(p).to_pylist())
         w.close()
-        sizes["parquet"] = sum(p.stat().st_size for p in pq_dir.glob("shard-*.parquet")) / tokens
+        sizes["parquet"] = sum(p.stat().st_size for p in pq_dir.glob("*.parquet")) / tokens
     return {"summary": summary, "bytes_per_token": sizes, "shard_tokens": tokens}
 
 
@@ -198,8 +198,8 @@ def write(path: Path, rep: dict, emb: dict | None, args) -> None:
         lines += ["", "### Embedded engine (SmolLM2-135M), 32 concurrent rollouts (configs/demo.yaml, 8 tasks x 4)", "",
                   "| rollouts | turns | sampled tokens | wall s | engine busy s | overhead (wall / busy) |",
                   "|---:|---:|---:|---:|---:|---:|",
-                  f"| {s['rollouts']} | {s['turns']} | {s['completion_tokens']} | {s['wall_s']:.2f} | "
-                  f"{max(s['engine_busy_s']):.2f} | {s['overhead']:.3f} |", "",
+                  f"| {s['rollouts']} | {s['turns']} | {s['completion_tokens']} | {s['this_run']['wall_s']:.2f} | "
+                  f"{max(s['this_run']['engine_busy_s']):.2f} | {s['this_run']['overhead']:.3f} |", "",
                   "Engine busy = the wall time during which the engine had at least one generate request in flight "
                   "(tracked by the router); the overhead is the time the engine sat idle waiting for rendering, "
                   "parsing, environment steps or scheduling.",

@@ -23,9 +23,9 @@ def test_demo_run_and_inspect(tmp_path):
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rollouts" in done.stdout and "break rate" in done.stdout
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "_summary.json").read_text())
     assert summary["rollouts"] == 4 and summary["errors"] == 0 and summary["renderer"] == "smollm2"
-    rows = [r for f in sorted(out.glob("shard-*.arrow")) for r in read_table(f).to_pylist()]
+    rows = [r for f in sorted(out.glob("data/*.arrow")) for r in read_table(f).to_pylist()]
     assert sorted({r["rollout_id"] for r in rows}) == sorted({r["rollout_id"] for r in rows if r["segment_index"] == 0})
     assert len({r["rollout_id"] for r in rows}) == 4
     for r in rows:

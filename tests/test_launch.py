@@ -46,8 +46,8 @@ def test_submit_to_a_cluster(ray_head, tmp_path):
     env = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert json.loads((out / "summary.json").read_text())["rollouts"] == 4
-    assert list(out.glob("shard-*.arrow"))
+    assert json.loads((out / "_summary.json").read_text())["rollouts"] == 4
+    assert list(out.glob("data/*.arrow"))
 
 
 def test_a_bad_config_is_refused_before_submitting():
