@@ -181,7 +181,7 @@ def _env() -> dict[str, str]:
 @pytest.mark.slow
 def test_run_into_a_pipe_has_startup_ready_and_progress_lines(tmp_path):
     out = tmp_path / "out"
-    sets = [f"model={tokenizer_dir(QWEN)}", "engine.backend=replay", "engine.count=2",
+    sets = [f"model={tokenizer_dir(QWEN)}", "engine.backend=replay", "engine.count=1",
             f"engine.options={{synthetic: true, vocab_size: {VOCAB}, max_model_len: 4096, token_delay_s: 0.002}}",
             "env.name=try_again", "tasks.count=3", "group_size=2", "max_turns=2", "max_tokens_per_turn=16",
             "max_tokens_per_rollout=32", "renderer.actors=1", "ray.num_cpus=2"]
@@ -194,8 +194,8 @@ def test_run_into_a_pipe_has_startup_ready_and_progress_lines(tmp_path):
     assert "\x1b" not in both and "\r" not in both, repr(both[:2000])
     lines = done.stderr.splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith("tito run: starting 6 rollouts of try_again"))
-    assert "2 x replay engine" in lines[start] and str(out) in lines[start]
-    ready = next(i for i, ln in enumerate(lines) if re.match(r"tito run: ready in \d+\.\d s: 2 engines up", ln))
+    assert "1 x replay engine" in lines[start] and str(out) in lines[start]
+    ready = next(i for i, ln in enumerate(lines) if re.match(r"tito run: ready in \d+\.\d s: 1 engine up", ln))
     final = [i for i, ln in enumerate(lines) if "rollouts 6/6 (100%)" in ln]
     assert start < ready < final[0], lines
     assert "renderer qwen2.5" in lines[ready]
