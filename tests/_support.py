@@ -11,6 +11,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -95,3 +99,47 @@ def reference_ids(name: str, messages, tools=None, add_generation_prompt=False, 
         normalize_messages(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
     return hf(text, add_special_tokens=False)["input_ids"]
+
+
+def cached_venv(key: str, requirements: list[str], *, inherit: Sequence[Path] = (),
+                prepare: Callable[[Path], None] | None = None) -> Path:
+    """A virtual environment holding ``requirements`` from PyPI, built once and cached under
+    ``$TITO_CACHE/venvs/<key>`` (else ``~/.cache/tito/venvs``); returns its root.
+
+    ``inherit``: site-packages directories it sees after its own (one ``.pth`` file, the way
+    ``--system-site-packages`` adds the base interpreter's), so pip keeps what they already hold instead of
+    installing a second torch. The venv has no pip of its own: this interpreter's pip installs into it
+    (``pip --python``). ``prepare(root)`` runs last, before the venv is marked complete. A failed install
+    skips the test (fails it under CI=true).
+    """
+    cache = Path(os.environ.get("TITO_CACHE") or "~/.cache/tito").expanduser()
+    root = cache / "venvs" / key
+    if (root / ".complete").is_file():
+        return root
+    tmp = root.with_name(f".{root.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp)], check=True)
+    if inherit:
+        (venv_site(tmp) / "_inherit.pth").write_text("".join(f"{p}\n" for p in inherit))
+    try:
+        done = subprocess.run([sys.executable, "-m", "pip", "--python", str(tmp / "bin" / "python"), "install", "-q",
+                               *requirements], capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            missing(f"could not install {requirements} from PyPI: {done.stderr[-2000:]}")
+        if prepare is not None:
+            prepare(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (tmp / ".complete").write_text(" ".join(requirements))
+    try:
+        tmp.rename(root)
+    except OSError:  # another run finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def venv_site(root: Path) -> Path:
+    """A venv's site-packages directory (this interpreter's version)."""
+    return root / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -25,7 +23,7 @@ import ray  # noqa: E402
 
 from rollout.config import ServeConfig, load_config  # noqa: E402
 
-from ._support import SMOLLM2, missing, reference, smollm2_gguf  # noqa: E402
+from ._support import SMOLLM2, cached_venv, reference, smollm2_gguf  # noqa: E402
 
 RENDERERS_PYPI = "0.1.12"
 # openai 3.x depends on httpx2, while renderers 0.1.12's client imports httpx (undeclared): pin openai 2.x
@@ -134,26 +132,7 @@ def test_client_hanging_up_stops_the_engine(server):
 
 def _interop_python() -> Path:
     """A venv with renderers==0.1.12 from PyPI, cached under $TITO_CACHE/venvs keyed by the version."""
-    cache = Path(os.environ.get("TITO_CACHE") or "~/.cache/tito").expanduser()
-    root = cache / "venvs" / f"renderers-{RENDERERS_PYPI}"
-    python = root / "bin" / "python"
-    if (root / ".complete").is_file():
-        return python
-    tmp = root.with_name(f".{root.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "venv", str(tmp)], check=True)
-    done = subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", *INTEROP_REQUIREMENTS],
-                          capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        missing(f"could not install {INTEROP_REQUIREMENTS} from PyPI: {done.stderr[-2000:]}")
-    (tmp / ".complete").write_text(" ".join(INTEROP_REQUIREMENTS))
-    try:
-        tmp.rename(root)
-    except OSError:  # another run finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return python
+    return cached_venv(f"renderers-{RENDERERS_PYPI}", INTEROP_REQUIREMENTS) / "bin" / "python"
 
 
 CLIENT_SCRIPT = """
