@@ -127,6 +127,32 @@ def test_client_hanging_up_stops_the_engine(server):
     assert status == 200 and len(r["choices"][0]["token_ids"]) == 2
 
 
+def test_openai_sdk_stream_from_the_engine_actor(server):
+    """The real engine, token by token through the engine actor's Ray streaming generator: the streamed
+    chat answer is the whole one for the same seed."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    kw = dict(model="smollm2-test", messages=msgs, max_tokens=12, temperature=0.8, seed=5)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == whole.choices[0].message.content and len(pieces) > 2
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_sampling_values_the_engine_cannot_take_are_400(server):
+    # before the checks these reached the engine: torch refused the seed (Overflow when unpacking long long),
+    # and logits / 1e-300 gave NaN probabilities; both came back as 500
+    msgs = [{"role": "user", "content": "hi"}]
+    for extra, param in (({"seed": 2**64 - 1, "n": 2}, "seed"), ({"temperature": 1e-300}, "temperature")):
+        status, r = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, **extra})
+        assert status == 400 and r["error"]["param"] == param, r
+    status, r = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "seed": 2**63 - 1, "n": 2})
+    assert status == 200 and len(r["choices"]) == 2
+
+
 # ---- interop: the PyPI `renderers` client, unchanged --------------------------------------------
 
 
