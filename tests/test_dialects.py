@@ -349,3 +349,58 @@ def test_kimi_k2_original_template_is_rejected_like_transformers() -> None:
         renderers.create_renderer(tok, name="generic").render(msgs)
     plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}]
     assert renderers.create_renderer(tok, name="generic").render_ids(plain) == hf_encode(hf, hf.apply_chat_template(plain, tokenize=False))
+
+
+_TEXT_PIECES = ['<invoke name="', '">', "</invoke>", '<parameter name="', "</parameter>", "functions.", ":0", "{",
+                '"a": 1', "}", "[", "\n", "search", "get_weather", "```json\n", "```", "function"]
+
+
+@pytest.mark.parametrize("family_id", IDS)
+def test_parse_never_raises_on_random_ids(family_id: str) -> None:
+    """Random sequences of the vocabulary's markers, the formats' text tags and real completion pieces:
+    every parse returns, every call has a status and a span inside the completion."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    tok, hf, _ = pair(family_id)
+    d = dialect_for(tok)
+    prompt_ids, completion, _ = assistant_part(family_id)
+    pieces = [hf_encode(hf, p) for p in _TEXT_PIECES] + [[t] for t in tok.markers.values()]
+    chunk = st.one_of(st.sampled_from(pieces), st.integers(0, tok.vocab_size - 1).map(lambda t: [t]),
+                      st.integers(0, len(completion)).map(lambda k: completion[k : k + 12]))
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(st.lists(chunk, max_size=24), st.booleans())
+    def fuzz(parts: list[list[int]], with_prompt: bool) -> None:
+        ids = [t for p in parts for t in p]
+        parsed = d.parse(ids, TOOLS, prompt_ids=prompt_ids if with_prompt else None)
+        assert isinstance(parsed.content, str)
+        for call in parsed.tool_calls:
+            assert isinstance(call.status, ToolCallStatus) and (call.status is ToolCallStatus.OK) == (call.error is None)
+            assert 0 <= call.token_span[0] < call.token_span[1] <= len(ids)
+
+    fuzz()
+
+
+def test_a_hand_coded_renderer_opts_in_with_its_dialect_attribute() -> None:
+    """``Renderer.dialect`` delegates parse_response to that dialect (with the renderer's stop ids) where
+    the vocabulary has its markers, and keeps the base scan where it has not."""
+    from renderers.qwen import Qwen3Renderer
+
+    tok = ours("qwen3-0.6b")
+    text = ("<think>\nplan\n</think>\n\nOk.\n<tool_call>\n<function=search>\n<parameter=limit>\n3\n</parameter>\n"
+            "</function>\n</tool_call><|im_end|>")
+    ids = hf_encode(reference("qwen3-0.6b"), text)
+
+    class WithHermes(Qwen3Renderer):
+        dialect = "hermes"
+
+    class WithGLM(Qwen3Renderer):
+        dialect = "glm"
+
+    base = Qwen3Renderer(tok).parse_response(ids, tools=TOOLS)
+    assert Qwen3Renderer.dialect is None and base.tool_calls[0].status is ToolCallStatus.INVALID_JSON  # JSON bodies only
+    hermes = WithHermes(tok).parse_response(ids, tools=TOOLS)  # the dialect reads the XML body and types it
+    assert [(c.name, c.arguments, c.status) for c in hermes.tool_calls] == [("search", {"limit": 3}, ToolCallStatus.OK)]
+    assert (hermes.content, hermes.reasoning_content, hermes.stop_token_id) == ("Ok.", "plan", tok.token_id("<|im_end|>"))
+    assert WithGLM(tok).parse_response(ids, tools=TOOLS) == base  # no <arg_key> in Qwen's vocabulary: the base scan
