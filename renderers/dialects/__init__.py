@@ -122,6 +122,8 @@ class Dialect:
         for start, end, closed in scan.calls:
             body = ids[start + 1 : end - 1 if closed else end]
             block = self.parse_block(body, (start, end), offered)
+            if not block:  # a block that holds no call (an empty JSON array of calls)
+                continue
             last = block[-1]
             # the last call of a block cut off is the one that was cut; where a block holds several calls
             # with their own closing tags (MiniMax's </invoke>), only if its own structure is incomplete
@@ -217,8 +219,12 @@ def dialect_named(name: str, tokenizer: Tokenizer) -> Dialect | None:
 
 # Dialect modules register themselves on import. Keep one line per module.
 from . import deepseek as deepseek  # noqa: E402
+from . import gemma4 as gemma4  # noqa: E402
 from . import glm as glm  # noqa: E402
 from . import harmony as harmony  # noqa: E402
 from . import hermes as hermes  # noqa: E402
 from . import kimi as kimi  # noqa: E402
+from . import llama3_json as llama3_json  # noqa: E402
 from . import minimax as minimax  # noqa: E402
+from . import mistral as mistral  # noqa: E402
+from . import nemotron as nemotron  # noqa: E402
