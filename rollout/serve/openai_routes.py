@@ -275,8 +275,10 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     sampling_kw = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed, n=body.n,
                        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                        extra_stops=tuple(state.parser.stop_token_ids))
-    # the sampling settings alone (no prompt yet), so a bad value is refused before a session opens
-    calls.validated(state, GenerateRequest(rid, [0], calls.sampling(state, 1, max_tokens or 1, **sampling_kw)),
+    # the sampling settings alone (a one-token stand-in prompt), so a bad value is refused before a session
+    # opens; max_tokens against the real prompt is checked once it is rendered
+    probe = max_tokens if max_tokens is not None and max_tokens < 1 else 1
+    calls.validated(state, GenerateRequest(rid, [0], calls.sampling(state, 1, probe, **sampling_kw)),
                     prompt_param="messages")
     turn = None
     if session_id:
