@@ -45,7 +45,19 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "rollouts_with_breaks": sum(1 for s in segments if s > 1),
         "extra_segments_from_breaks": sum(s - 1 for s in segments),
         "finish_reasons": finish, "errors": sum(c["error"] is not None for c in firsts),
+        **_run_record(path),
     }
+
+
+def _run_record(path: str | Path) -> dict[str, Any]:
+    """What the output directory's manifest says about the run (model, group size, sampling), if any."""
+    from .shards import read_manifest
+
+    manifest = read_manifest(path) if Path(path).is_dir() else None
+    if not manifest or "config" not in manifest:
+        return {}
+    return {"model": manifest.get("model"), "group_size": manifest.get("group_size"),
+            "sampling": manifest.get("sampling")}
 
 
 def _sample(path: str | Path, index: int) -> dict[str, Any]:

@@ -46,7 +46,8 @@ class ResumeMismatch(ValueError):
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict) and data:
+    """Dotted leaves of nested dicts (an empty dict has none, so {} and an absent key compare equal)."""
+    if isinstance(data, dict):
         out: dict[str, Any] = {}
         for k, v in data.items():
             out.update(_flatten(v, f"{prefix}{k}."))

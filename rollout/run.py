@@ -210,6 +210,7 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
     driver: RolloutDriver | None = None
     rinfo = {"renderer": parser.name, "template_sha256": parser.template_sha256}
     startup_s = wall_s = 0.0
+    error: Exception | None = None
     t0 = time.perf_counter()
     with _signals_raise():
         try:
@@ -235,9 +236,16 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
             wall_s = time.perf_counter() - t1
         except RunInterrupted as exc:  # during start-up, or at the very end
             signals.append(exc.signum)
+        except Exception as exc:  # still flush what finished and record it, then re-raise
+            error = exc
     with _signals_ignored():
         # flush: every finished group still pending in a renderer goes to a file now
-        closed = ray.get([r.close.remote() for r in renderer_actors]) if renderer_actors else []
+        try:
+            closed = ray.get([r.close.remote() for r in renderer_actors]) if renderer_actors else []
+        except Exception:
+            if error is None:
+                raise
+            closed = []  # the renderers died with the run: what they wrote is on disk
         bar.finish()
         rollouts, tokens = _this_run(out_dir, closed)
         busy = driver.router.busy_s if driver is not None else [0.0]
@@ -256,6 +264,8 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
         for actor in engines + renderer_actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
+    if error is not None:
+        raise error
     if signals:
         raise RunInterrupted(signals[0], summary)
     return summary

@@ -43,3 +43,28 @@ def test_overrides(tmp_path):
         load_config(path, ["sampling.temperature=-1"])
     with pytest.raises(ConfigError, match="max_tokens_per_turn"):
         load_config(path, ["max_tokens_per_turn=10", "max_tokens_per_rollout=5"])
+
+
+def test_resume_differences_name_every_field(tmp_path):
+    """--resume compares the saved config: sampling, model, renderer and template hash must match;
+    tasks.count, engines and output may change."""
+    from rollout.outputs import ResumeMismatch, check_resume, resume_differences, write_outputs
+    from rollout.shards import DATA_DIR, ShardWriter
+
+    from .test_data import synthetic_row
+
+    saved = load_config(None, ["sampling.top_p=0.9", "tasks.count=4"]).model_dump(mode="json")
+    other = load_config(None, ["sampling.top_p=0.5", "tasks.count=8", "engine.count=2", "model=other",
+                               "renderer.template_kwargs.enable_thinking=false"]).model_dump(mode="json")
+    diffs = resume_differences(saved, other)
+    assert sorted(d.split(":")[0] for d in diffs) == ["model", "renderer.template_kwargs.enable_thinking",
+                                                      "sampling.top_p"], diffs
+    assert resume_differences(saved, saved) == []
+    out = tmp_path / "out"
+    w = ShardWriter(out / DATA_DIR)
+    w.add([synthetic_row(0)])
+    w.close()
+    write_outputs(out, saved, {"template_sha256": "a" * 64})
+    check_resume(out, saved, "a" * 64)  # same config, same template: fine
+    with pytest.raises(ResumeMismatch, match="template_sha256: a{16} -> b{16}"):
+        check_resume(out, saved, "b" * 64)
