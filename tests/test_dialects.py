@@ -222,9 +222,9 @@ def test_every_truncation_parses_and_a_cut_call_is_unclosed(family_id: str) -> N
             (c.name, c.arguments, c.status) for c in done
         ], k
         assert all(c.status is not ToolCallStatus.OK or c.token_span[1] <= k for c in cut.tool_calls)
-        if reasoning and k < len(completion) and not full.tool_calls[0].token_span[0] < k and cut.reasoning_content is not None:
-            text = tok.decode(completion[:k])
-            assert cut.reasoning_complete is ("</think>" in text), k
+        if reasoning and k <= full.tool_calls[0].token_span[0] and cut.reasoning_content is not None:
+            # before the calls: reasoning is complete exactly when its close has been sampled
+            assert cut.reasoning_complete is ("</think>" in tok.decode(completion[:k])), k
         assert cut.stop_token_id is None or k == len(completion) or completion[k - 1] == cut.stop_token_id
 
 
