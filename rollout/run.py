@@ -175,6 +175,8 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
     if out_dir.exists() and output_shards(out_dir) and not resume:
         raise ValueError(f"output directory {out_dir} already holds shards: pass --resume to continue it, "
                          "or choose another output.dir")
+    if not cfg.ray.address:  # first: a run that cannot start says so in seconds, before any loading
+        _preflight_engines(cfg, cluster=False)
     config = cfg.model_dump(mode="json")
     model_path = str(_model_path(cfg.model))
     # the driver parses completions itself (same renderer code and tokenizer as the renderer actors);
@@ -183,8 +185,6 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
                              thinking_retention=cfg.renderer.thinking_retention, **cfg.renderer.template_kwargs)
     if resume and out_dir.exists() and output_shards(out_dir):
         check_resume(out_dir, config, parser.template_sha256 or "")
-    if not cfg.ray.address:
-        _preflight_engines(cfg, cluster=False)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = make_env(cfg.env.name, **cfg.env.options)
     if cfg.tasks.path:
