@@ -20,7 +20,10 @@ The contract (one subclass of :class:`Dialect` per format, one module per family
   gets a status, its token span and raw text; arguments of formats that carry them as text
   (``string_arguments``) are typed by the offered tools' JSON schemas as Qwen3-Coder's are
   (:func:`renderers.qwen3_coder.type_call`); JSON formats go through
-  :func:`renderers.base.checked_call`. It never raises on any id sequence.
+  :func:`renderers.base.checked_call`. It never raises on any id sequence. The dialect's own markers
+  (``think``, ``call``, ``section``) are never stops, whatever ``stop_ids`` says. In a block cut off
+  before its close marker, the last call is ``unclosed`` (with ``several_per_block``, only when its own
+  structure is incomplete: MiniMax's invokes close themselves).
 
 Register a dialect with :func:`register` and import its module at the bottom of this file. The
 generic renderer parses with :func:`dialect_for`; a hand-coded renderer opts in with its ``dialect``
