@@ -1,4 +1,4 @@
-"""Loading a tokenizer and its chat template from local files, with the two encoders a renderer needs.
+"""Loading a tokenizer and its chat template from local files, with the two encodings a renderer needs.
 
 ``load_tokenizer(path)`` accepts a Hugging Face tokenizer directory (tokenizer.json, or vocab.json +
 merges.txt; the template from chat_template.jinja, tokenizer_config.json or chat_template.json) or a
@@ -19,10 +19,11 @@ import re
 import shutil
 import tempfile
 from functools import cached_property
-from itertools import accumulate
 from pathlib import Path
 
 from tokenizers import Tokenizer as BackendTokenizer
+
+from .fast_encode import FastEncoder, library_encode
 
 
 class TokenizerLoadError(ValueError):
@@ -66,7 +67,6 @@ class Tokenizer:
         plain["added_tokens"] = []
         _untrim_offsets(plain)  # offsets cover a token's whole text, in both encode paths
         self._plain = BackendTokenizer.from_str(json.dumps(plain))
-        self._words = AsciiWordEncoder.for_config(plain, self._plain)
         pattern = "|".join(re.escape(t) for t in sorted(self.added_tokens, key=len, reverse=True))
         self._added_re = re.compile(pattern) if pattern else None
 
@@ -105,29 +105,31 @@ class Tokenizer:
 
     def encode_plain_with_ends(self, text: str) -> tuple[list[int], list[int]]:
         """Ids, and for each token the character offset where it ends (non-decreasing; a token
-        spans from the previous token's end to its own)."""
-        if self._words is not None and self._words.accepts(text):
-            return self._words.encode(text)
-        enc = self._plain.encode(text, add_special_tokens=False)
-        return enc.ids, [end for _, end in enc.offsets]
+        spans from the previous token's end to its own). fastokens encodes where its ids are the
+        tokenizers library's (renderers/fast_encode.py), the library itself otherwise."""
+        fast = self.fast_encoder
+        if fast is not None:
+            return fast.encode(text)
+        return library_encode(self._plain, text)
 
     def encode_plain_batch(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
-        """Several texts at once, as ``encode_plain_with_ends``. Texts the word encoder cannot take
-        go to the tokenizers library in one batch call (encoded in parallel)."""
-        out: list = [None] * len(texts)
-        rest = []
-        for i, text in enumerate(texts):
-            if self._words is not None and self._words.accepts(text):
-                out[i] = self._words.encode(text)
-            else:
-                rest.append(i)
-        if len(rest) == 1:
-            enc = self._plain.encode(texts[rest[0]], add_special_tokens=False)
-            out[rest[0]] = (enc.ids, [end for _, end in enc.offsets])
-        elif rest:
-            for i, enc in zip(rest, self._plain.encode_batch([texts[i] for i in rest], add_special_tokens=False)):
-                out[i] = (enc.ids, [end for _, end in enc.offsets])
-        return out
+        """Several texts at once, as ``encode_plain_with_ends``."""
+        fast = self.fast_encoder
+        if fast is not None:
+            return fast.encode_batch(texts)
+        if len(texts) == 1:
+            return [library_encode(self._plain, texts[0])]
+        encs = self._plain.encode_batch(texts, add_special_tokens=False)
+        return [(enc.ids, [end for _, end in enc.offsets]) for enc in encs]
+
+    @property
+    def fast_encoder(self) -> FastEncoder | None:
+        """The fastokens encoder for this tokenizer's plain text, built at first use (a few seconds for a
+        large vocabulary) and shared by its copies; None where it does not reproduce the library's ids."""
+        entry = _FAST.get(id(self._plain))
+        if entry is None or entry[0] is not self._plain:
+            entry = _FAST[id(self._plain)] = (self._plain, FastEncoder.for_backend(self._plain))
+        return entry[1]
 
     @cached_property
     def markers(self) -> dict[str, int]:
@@ -157,7 +159,6 @@ class Tokenizer:
         view = copy.copy(self)
         view.__dict__.pop("text_view", None)
         view._plain = _text_backend(self.backend, config)
-        view._words = None  # the ASCII fast path is for byte-level BPE without text-level added tokens
         ordered = sorted(markers, key=len, reverse=True)  # longest first, as the tokenizer matches
         view._added_re = re.compile("|".join(re.escape(t) for t in ordered)) if ordered else None
         view.text_view = view
@@ -184,6 +185,10 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer({self.name_or_path!r}, vocab={self.vocab_size}, template={self.template_sha256 and self.template_sha256[:16]})"
 
+
+# plain backend id -> (plain backend, its fastokens encoder or None); the entry holds its backend so that
+# the id is never reused
+_FAST: dict[int, tuple[BackendTokenizer, FastEncoder | None]] = {}
 
 # backend id -> (backend, plain backend keeping the text-level added tokens): building one takes seconds
 # (Gemma), and a template variant (with_chat_template) shares its backend. The entry holds its backend so
@@ -285,94 +290,3 @@ def _untrim_offsets(config: dict) -> None:
                 stack.extend(node.values())
             elif isinstance(node, list):
                 stack.extend(node)
-
-
-# GPT-2's split, which ByteLevel(use_regex=True) applies
-_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# Printable ASCII plus tab, newline and carriage return: on these characters every Unicode class the
-# split patterns use (\p{L}, \p{N}, \s, ...) has one unambiguous meaning in any Unicode version, and
-# NFC leaves them unchanged, so Python's `regex` splits them exactly as the tokenizers library does.
-_SAFE_ASCII = re.compile(r"[\x20-\x7e\t\n\r]*")
-
-
-class AsciiWordEncoder:
-    """A faster encoder for byte-level BPE tokenizers, used only on text of safe ASCII characters.
-
-    The tokenizers library spends most of an encode in its split regex (Oniguruma). Here the same
-    pattern runs in Python's ``regex`` module, and each resulting word is looked up in a cache of
-    ids filled by the tokenizers library itself (words it has not seen are encoded in one batch
-    call, as pre-tokenized input, so BPE stays the library's own). Offsets are character offsets;
-    on ASCII each byte-level token character is one character of text.
-    """
-
-    _CACHE_LIMIT = 262144
-
-    def __init__(self, pattern: str, plain: BackendTokenizer) -> None:
-        import regex
-
-        self._split = regex.compile(pattern)
-        self._plain = plain
-        self._cache: dict[str, tuple[list[int], list[int]]] = {}
-
-    @classmethod
-    def for_config(cls, config: dict, plain: BackendTokenizer) -> AsciiWordEncoder | None:
-        """An encoder for this tokenizer.json, or None when its pipeline is not the supported one:
-        BPE without byte fallback; no normalizer or NFC; a byte-level pre-tokenizer whose split is
-        either GPT-2's or one Split(regex, Isolated) followed by ByteLevel(use_regex=False)."""
-        model = config.get("model") or {}
-        if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("dropout"):
-            return None
-        if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
-            return None
-        normalizer = config.get("normalizer")
-        if normalizer is not None and normalizer.get("type") != "NFC":
-            return None
-        pre = config.get("pre_tokenizer") or {}
-        steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-        if len(steps) == 1 and steps[0].get("type") == "ByteLevel" and steps[0].get("use_regex", True):
-            if steps[0].get("add_prefix_space"):
-                return None
-            return cls(_GPT2_SPLIT, plain)
-        if len(steps) == 2:
-            split, byte_level = steps
-            if (
-                split.get("type") == "Split"
-                and "Regex" in (split.get("pattern") or {})
-                and split.get("behavior") == "Isolated"
-                and not split.get("invert")
-                and byte_level.get("type") == "ByteLevel"
-                and not byte_level.get("use_regex", True)
-                and not byte_level.get("add_prefix_space")
-            ):
-                return cls(split["pattern"]["Regex"], plain)
-        return None
-
-    @staticmethod
-    def accepts(text: str) -> bool:
-        return text.isascii() and _SAFE_ASCII.fullmatch(text) is not None
-
-    def encode(self, text: str) -> tuple[list[int], list[int]]:
-        """Ids and each token's end offset, as ``Tokenizer.encode_plain_with_ends``."""
-        words = self._split.findall(text)
-        cache = self._cache
-        missing = [w for w in dict.fromkeys(words) if w not in cache]
-        if missing:
-            self._fill(missing)
-        ids: list[int] = []
-        lengths: list[int] = []
-        for word in words:
-            word_ids, word_lengths = cache[word]
-            ids += word_ids
-            lengths += word_lengths
-        return ids, list(accumulate(lengths))
-
-    def _fill(self, words: list[str]) -> None:
-        if len(self._cache) + len(words) > self._CACHE_LIMIT:
-            self._cache.clear()
-        enc = self._plain.encode(words, is_pretokenized=True, add_special_tokens=False)
-        per_word: list[tuple[list[int], list[int]]] = [([], []) for _ in words]
-        for tid, wid, (start, end) in zip(enc.ids, enc.word_ids, enc.offsets):
-            per_word[wid][0].append(tid)
-            per_word[wid][1].append(end - start)
-        for word, entry in zip(words, per_word):
-            self._cache[word] = entry

@@ -10,39 +10,93 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import renderers
-from renderers.tokenizer import AsciiWordEncoder, TokenizerLoadError
+from renderers.tokenizer import TokenizerLoadError
 
 from ._support import ours, reference, smollm2_gguf, tokenizer_dir
 
 SAFE_ASCII = st.text(alphabet=st.sampled_from([chr(c) for c in range(0x20, 0x7F)] + ["\t", "\n", "\r"]), max_size=80)
 TRICKY = st.text(alphabet=st.sampled_from(list(" \t\n\r'sdlmtvreSDLM0123456789aZ.,{}[]\"!?-_/\\")), max_size=40)
+# non-ASCII: scripts, emoji (ZWJ sequences, skin tones, flags), combining marks, whitespace runs
+# (including non-ASCII spaces), and any code point Python can encode (surrogates excluded)
+MULTILINGUAL = st.lists(
+    st.sampled_from(
+        list("数据東京タワー서울привет γειά مرحبا שלום हिन्दी ไทย éüßİıÅ ½²①")
+        + ["👨\u200d👩\u200d👧", "👍🏽", "🇩🇪", "❤️", "🙂", "e\u0301", "\u00a0", "\u3000", "\u2028", "\u200b", "\ufeff",
+           "\x0b", "\x1c", " ", "  ", "\n\n", "\t", "word", "'ll", "42"]
+    ),
+    max_size=40,
+).map("".join)
+ANY_TEXT = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=60)
+RUNS = st.lists(st.sampled_from([" ", "\n", "\t", "\r\n", "\u00a0", "x", "数", "🙂", "'s", "12345"]), max_size=30).map("".join)
+FIXTURES = ["qwen3-0.6b", "qwen2.5-7b-instruct", "qwen3-coder-30b-a3b-instruct", "deepseek-r1-distill-qwen-32b",
+            "llama-3.1-8b-instruct", "llama-3.2-3b-instruct", "llama-3.3-nemotron-super-49b-v1.5", "gpt-oss-20b",
+            "gemma-3-it", "deepseek-v3", "deepseek-r1", "smollm2"]
 
 
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.1-8b-instruct", "gpt-oss-20b", "smollm2"])
-def test_word_encoder_matches_the_tokenizers_library(name):
-    """The Python-regex split + cached word ids must equal the library's encode, ids and offsets."""
-    tok = ours(name)
-    assert tok._words is not None, "this tokenizer should take the fast path"
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fastokens_encoding_matches_the_tokenizers_library(name):
+    """fastokens ids with end offsets from vocabulary byte lengths must equal the tokenizers library's
+    ids and offsets on every fixture tokenizer (the message-text view, as renderers encode), for
+    ASCII, multilingual, emoji, combining-mark, whitespace-run and arbitrary Unicode text; every
+    fixture vocabulary passes the load-time battery and takes the fastokens path."""
+    from renderers.fast_encode import library_encode
 
-    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(st.one_of(SAFE_ASCII, TRICKY))
+    tok = ours(name).text_view
+    assert tok.fast_encoder is not None, "every fixture vocabulary should be encoded by fastokens"
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.one_of(SAFE_ASCII, TRICKY, MULTILINGUAL, ANY_TEXT, RUNS))
     def check(text):
-        ids, ends = tok._words.encode(text)
-        enc = tok._plain.encode(text, add_special_tokens=False)
-        assert ids == enc.ids
-        assert ends == [end for _, end in enc.offsets]
+        assert tok.encode_plain_with_ends(text) == library_encode(tok._plain, text)
 
     check()
+    texts = ["数据 🙂", "plain", "", "e\u0301 not NFC", "  \n\n  "]
+    assert tok.encode_plain_batch(texts) == [library_encode(tok._plain, t) for t in texts]
 
 
-def test_word_encoder_declines_what_it_cannot_split_exactly():
-    assert not AsciiWordEncoder.accepts("café")
-    assert not AsciiWordEncoder.accepts("a\x0bb")  # vertical tab: a whitespace class edge case
-    assert not AsciiWordEncoder.accepts("\x1c")
-    assert AsciiWordEncoder.accepts("def f(x):\n\treturn {'a': 1}\r\n")
-    gemma = json.loads(ours("qwen3-0.6b")._plain.to_str())
-    gemma["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
-    assert AsciiWordEncoder.for_config(gemma, None) is None
+def _small_byte_level_bpe():
+    """A real byte-level BPE tokenizer, trained here on a few lines (quick to build, unlike a fixture's)."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = Backend(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["Hello world, hello tokens.", "数据 科学 🙂", "def f(x): return x"] * 10, trainer)
+    return tok
+
+
+def test_fastokens_is_not_used_where_the_rule_or_the_battery_says_no(monkeypatch):
+    from tokenizers import Tokenizer as Backend
+
+    from renderers import fast_encode
+
+    plain = _small_byte_level_bpe()
+    config = json.loads(plain.to_str())
+    assert fast_encode._kind(config) == "byte_level"
+    assert fast_encode._kind({**config, "normalizer": {"type": "NFKC"}}) is None  # changes lengths
+    prefix = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True}
+    assert fast_encode._kind({**config, "pre_tokenizer": prefix}) is None  # adds a space the text lacks
+    assert fast_encode._kind({**config, "model": {**config["model"], "dropout": 0.1}}) is None
+    assert fast_encode._kind({**config, "model": {**config["model"], "type": "WordPiece"}}) is None
+    encoder = fast_encode.FastEncoder.for_backend(plain)
+    assert encoder is not None and encoder.encode("Hello 数据 🙂") == fast_encode.library_encode(plain, "Hello 数据 🙂")
+    # a vocabulary that passes the rule but where the library disagrees: the battery catches it
+    monkeypatch.setattr(fast_encode, "library_encode", lambda _p, text: ([0], [len(text)]))
+    assert fast_encode.FastEncoder.for_backend(Backend.from_str(plain.to_str())) is None
+
+
+def test_text_nfc_would_change_is_encoded_by_the_library():
+    """Qwen's normalizer is NFC: byte lengths of normalized tokens do not measure the original text,
+    so such text goes to the tokenizers library (offsets in the text as given)."""
+    from renderers.fast_encode import library_encode
+
+    tok = ours("qwen3-0.6b")
+    text = "cafe\u0301 \u212b"
+    assert tok.encode_plain_with_ends(text) == library_encode(tok._plain, text)
+    assert library_encode(tok._plain, text)[1][-1] == len(text)
 
 
 def test_plain_encoding_never_produces_added_tokens():

@@ -1,0 +1,189 @@
+"""Plain-text encoding with fastokens (PyPI), where its ids are the ``tokenizers`` library's ids.
+
+fastokens is a Rust BPE encoder that reads the same tokenizer.json and measures 16-66x faster than
+the tokenizers library on the fixture vocabularies. It gives ids only (no offsets), so each token's
+end offset comes from the vocabulary: the number of bytes each id decodes to, summed, and mapped
+from UTF-8 bytes to characters (a token that ends inside a character ends where that character
+does, as the tokenizers library reports it).
+
+When it is used (:meth:`FastEncoder.for_backend`), by rule and by measurement:
+
+* the rule: a BPE model without dropout; a byte-level vocabulary (every token character is one byte)
+  or a SentencePiece one with byte fallback (``▁`` is a space, ``<0xAB>`` one byte); no normalizer,
+  NFC, or SentencePiece's space replacement; no pre-tokenizer step that adds text (a prefix space);
+* the measurement, at first use: ids and end offsets equal to the tokenizers library's on a fixed
+  battery of texts (ASCII, code, whitespace runs, many scripts, emoji sequences, combining marks).
+
+Otherwise the tokenizers library encodes. Per text, too: text that NFC would change (for an NFC
+vocabulary), text fastokens refuses (a byte the vocabulary has no token for), an unknown-token id, or
+byte lengths that do not add up to the text's is encoded by the tokenizers library instead.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from itertools import accumulate
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer as BackendTokenizer
+
+# The parity battery a vocabulary must pass before fastokens encodes for it.
+BATTERY = (
+    "",
+    "Hello, world! It's 2026-12-01; x=3.14, y=-42.",
+    "def f(x):\n\treturn {'a': [1, 2, 3]}  # done\r\n",
+    "   leading and trailing   \n\n\n  \t\t  \r\n\r\n      ",
+    "I'm you're we'll they'd it's AREN'T 'quoted' \"double\"",
+    "Ünïcödé naïve café façade Ångström ß ẞ İstanbul",
+    "数据科学 東京タワー 서울 привет мир γειά σου مرحبا بالعالم שלום עולם हिन्दी ไทย",
+    "🙂 👨‍👩‍👧‍👦 🏳️‍🌈 👍🏽 🇩🇪 ❤️ 🤖🤖🤖",
+    "e\u0301 a\u0308 \u212b \ufb01 ｈｅｌｌｏ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ①②③ ½ ²",
+    "\x00\x01\x1b[31m\x7f \u200b\u200d\u2028\u00a0\u3000 \ufeff",
+    "1234567890 12,345.678 ٣٤٥ 一二三",
+    "<|im_end|> <think> </s> [INST] <0x41> ▁▁ ▁x",
+    "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa " * 4 + "\n" * 9 + " " * 17,
+    "mixed 数据 and emoji 🙂 then code `x += 1` and \t\ttabs\n",
+)
+
+
+def _steps(node: Any) -> list[dict]:
+    """Every component of a pipeline part, Sequences flattened."""
+    if not isinstance(node, dict):
+        return []
+    out = [node]
+    for key in ("pretokenizers", "normalizers", "decoders"):
+        for child in node.get(key) or []:
+            out.extend(_steps(child))
+    return out
+
+
+def _kind(config: dict) -> str | None:
+    """"byte_level", "sentencepiece" or None (fastokens is not used) for a tokenizer.json."""
+    model = config.get("model") or {}
+    if model.get("type") != "BPE" or model.get("dropout"):
+        return None
+    decoders = {s.get("type") for s in _steps(config.get("decoder"))}
+    pre = _steps(config.get("pre_tokenizer"))
+    if any(s.get("type") == "Metaspace" or s.get("add_prefix_space") for s in pre if s.get("type") != "Split"):
+        return None  # adds text the input does not have
+    normalizers = [s for s in _steps(config.get("normalizer")) if s.get("type") != "Sequence"]
+    if "ByteLevel" in decoders and not model.get("byte_fallback"):
+        kind = "byte_level"
+    elif {"Replace", "ByteFallback"} <= decoders and model.get("byte_fallback"):
+        kind = "sentencepiece"
+    else:
+        return None
+    for n in normalizers:
+        space = n.get("type") == "Replace" and n.get("pattern") == {"String": " "} and n.get("content") == "\u2581"
+        if not (n.get("type") == "NFC" or (space and kind == "sentencepiece")):
+            return None
+    return kind
+
+
+def _byte_lengths(config: dict, kind: str) -> tuple[np.ndarray, int | None]:
+    """Bytes of text each id stands for (-1: unknown), and the unknown token's id."""
+    vocab: dict[str, int] = config["model"]["vocab"]
+    size = max([*vocab.values(), *(t["id"] for t in config.get("added_tokens") or [])], default=-1) + 1
+    lengths = np.full(size, -1, dtype=np.int64)
+    for token, i in vocab.items():
+        if kind == "byte_level":
+            lengths[i] = len(token)  # one character per byte (GPT-2's byte-to-unicode map)
+        elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            lengths[i] = 1
+        else:
+            lengths[i] = len(token.replace("\u2581", " ").encode("utf-8"))
+    for t in config.get("added_tokens") or []:
+        content = t["content"]
+        if kind == "sentencepiece" and t.get("normalized", True):
+            content = content.replace("\u2581", " ")
+        lengths[t["id"]] = len(content.encode("utf-8"))
+    unk = config["model"].get("unk_token")
+    unk_id = vocab.get(unk) if unk else None
+    if unk_id is not None:
+        lengths[unk_id] = -1
+    return lengths, unk_id
+
+
+def library_encode(plain: BackendTokenizer, text: str) -> tuple[list[int], list[int]]:
+    """The tokenizers library's ids and token end offsets (the reference)."""
+    enc = plain.encode(text, add_special_tokens=False)
+    return enc.ids, [end for _, end in enc.offsets]
+
+
+class FastEncoder:
+    """fastokens ids, with end offsets from byte lengths (see the module docstring)."""
+
+    def __init__(self, plain: BackendTokenizer, source: str, config: dict, kind: str) -> None:
+        import fastokens
+
+        self._plain = plain
+        self._fast = fastokens.Tokenizer.from_json_str(source)
+        self._nfc = any(s.get("type") == "NFC" for s in _steps(config.get("normalizer")))
+        lengths, self._unk = _byte_lengths(config, kind)
+        self._lengths_np = lengths
+        self._lengths = lengths.tolist()
+
+    @classmethod
+    def for_backend(cls, plain: BackendTokenizer) -> FastEncoder | None:
+        """The encoder for this plain backend, or None where the rule or the battery says no."""
+        try:
+            import fastokens  # noqa: F401
+        except ImportError:  # a dependency, but an encoder must never be what breaks loading
+            return None
+        source = plain.to_str()
+        config = json.loads(source)
+        kind = _kind(config)
+        if kind is None:
+            return None
+        try:
+            encoder = cls(plain, source, config, kind)
+        except Exception:  # fastokens rejects this tokenizer.json: the library encodes
+            return None
+        if any(encoder.encode(text) != library_encode(plain, text) for text in BATTERY):
+            return None
+        return encoder
+
+    def encode(self, text: str) -> tuple[list[int], list[int]]:
+        """Ids and each token's end offset, as ``Tokenizer.encode_plain_with_ends``."""
+        if self._nfc and not unicodedata.is_normalized("NFC", text):
+            return library_encode(self._plain, text)
+        try:
+            ids = self._fast.encode(text).ids
+        except ValueError:  # e.g. a byte the vocabulary has no token for (SmolLM2's GGUF conversion)
+            return library_encode(self._plain, text)
+        return self._ends(text, ids)
+
+    def encode_batch(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
+        out: list = [None] * len(texts)
+        todo = []
+        for i, text in enumerate(texts):
+            if self._nfc and not unicodedata.is_normalized("NFC", text):
+                out[i] = library_encode(self._plain, text)
+            else:
+                todo.append(i)
+        if todo:
+            try:
+                encs = self._fast.encode_batch([texts[i] for i in todo])
+            except ValueError:  # one text fastokens cannot encode: each on its own
+                return [self.encode(text) for text in texts]
+            for i, enc in zip(todo, encs):
+                out[i] = self._ends(texts[i], enc.ids)
+        return out
+
+    def _ends(self, text: str, ids: list[int]) -> tuple[list[int], list[int]]:
+        if self._unk is not None and self._unk in ids:
+            return library_encode(self._plain, text)  # the unknown token's length is not its text's
+        if text.isascii():  # a byte is a character
+            ends = list(accumulate(map(self._lengths.__getitem__, ids)))
+            if (ends[-1] if ends else 0) == len(text):
+                return ids, ends
+            return library_encode(self._plain, text)
+        data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        byte_ends = np.cumsum(self._lengths_np[ids]) if ids else np.zeros(0, dtype=np.int64)
+        if (int(byte_ends[-1]) if ids else 0) != len(data) or (ids and int(byte_ends[0]) <= 0):
+            return library_encode(self._plain, text)
+        # characters that start before each token's end byte: a token ending inside a character ends with it
+        starts = np.cumsum((data & 0xC0) != 0x80)
+        return ids, starts[byte_ends - 1].tolist()
