@@ -34,7 +34,7 @@ _TAIL = 32  # the key: a prompt's length and its last ids (the entry is verified
 
 @dataclass
 class _Entry:
-    ids: list[int]  # the prompt, as the renderer returned it (verified against the caller's ids on use)
+    tail: list[int]  # the prompt's ids after the parent's prompt (all of them when there is no parent)
     messages: list[dict]  # the messages after the parent's (all of them when there is no parent)
     parent: _Entry | None
     tools: list[dict] | None
@@ -45,9 +45,11 @@ class _Entry:
 class Conversations:
     """Prompt ids -> the conversation they render, for the last ``limit`` prompts a renderer produced.
 
-    Remembering costs O(1) in the history (a key of the prompt's length and last ids; a bridge's entry
-    points at its parent's), so the append-only bridge stays flat; recalling, needed only where the
-    whole conversation is rendered anyway, verifies every link against the caller's ids."""
+    Remembering costs O(1) in the history: the key is a prompt's length and last ids, and a bridge's
+    entry keeps only what it appended and a link to its parent's, so the append-only bridge stays flat
+    and a rollout's entries together hold its latest prompt once. Recalling, needed only where the whole
+    conversation is rendered anyway, rebuilds the prompt from the chain and compares it with the
+    caller's ids exactly (a key shared by another prompt is never taken for this one)."""
 
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit
@@ -57,9 +59,8 @@ class Conversations:
     def _key(ids: list[int]) -> tuple:
         return (len(ids), tuple(ids[-_TAIL:]))
 
-    def _put(self, entry: _Entry) -> None:
+    def _put(self, key: tuple, entry: _Entry) -> None:
         entries = self._entries
-        key = self._key(entry.ids)
         entries.pop(key, None)
         if len(entries) >= self.limit:
             del entries[next(iter(entries))]  # the oldest
@@ -67,7 +68,7 @@ class Conversations:
 
     def remember(self, ids: list[int], messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any]) -> None:
         """``ids`` is the prompt rendered from ``messages`` (with the generation prompt)."""
-        self._put(_Entry(ids, list(messages), None, tools, dict(kwargs)))
+        self._put(self._key(ids), _Entry(list(ids), list(messages), None, tools, dict(kwargs)))
 
     def extend(
         self, prompt: list[int], ids: list[int], completion: list[int], new: list[dict], tools, kwargs: dict[str, Any]
@@ -77,30 +78,33 @@ class Conversations:
         kept when ``prompt`` is unknown."""
         parent = self._entries.get(self._key(prompt))
         if parent is not None:
-            self._put(_Entry(ids, list(new), parent, tools, dict(kwargs), list(completion)))
+            entry = _Entry(ids[len(prompt) :], list(new), parent, tools, dict(kwargs), list(completion))
+            self._put(self._key(ids), entry)
 
     def recall(
         self, prompt: list[int], tools: list[dict] | None, kwargs: dict[str, Any], parse: Callable[[list[int]], dict]
     ) -> list[dict] | None:
         """The messages ``prompt`` was rendered from with these tools and kwargs (``parse`` turns a
-        sampled turn into its assistant message), or None: unknown, or a remembered entry whose ids
-        do not match exactly."""
-        entry = self._entries.get(self._key(prompt))
-        if entry is None or entry.ids != prompt or entry.tools != tools or entry.kwargs != kwargs:
+        sampled turn into its assistant message), or None: unknown, or a remembered chain whose ids
+        are not ``prompt`` exactly."""
+        key = self._key(prompt)
+        entry = self._entries.get(key)
+        if entry is None or entry.tools != tools or entry.kwargs != kwargs:
             return None
-        chain = []
+        tails: list[list[int]] = []
+        parts: list[list[dict]] = []
         node: _Entry | None = entry
         while node is not None:
-            parent = node.parent
-            if parent is not None and node.ids[: len(parent.ids)] != parent.ids:
-                return None  # a parent overwritten by another prompt with the same key
-            chain.append(node.messages)
+            tails.append(node.tail)
+            parts.append(node.messages)
             if node.completion is not None:
-                chain.append([parse(node.completion)])
-            node = parent
-        messages = [m for part in reversed(chain) for m in part]
+                parts.append([parse(node.completion)])
+            node = node.parent
+        if [t for tail in reversed(tails) for t in tail] != prompt:
+            return None  # a link taken from another prompt with the same key
+        messages = [m for part in reversed(parts) for m in part]
         if entry.parent is not None:  # flatten: the next recall from here walks one link
-            self._put(_Entry(entry.ids, messages, None, tools, entry.kwargs))
+            self._put(key, _Entry(list(prompt), messages, None, tools, entry.kwargs))
         return messages
 
 

@@ -1,19 +1,22 @@
-"""Render and bridge speed against transformers' apply_chat_template + encode, in the same run.
+"""Render and bridge speed against transformers' apply_chat_template and PyPI renderers 0.1.12, in one run.
 
-    .venv/bin/python scripts/bench_render.py [--fixtures DIR] [--repeats 7] [--write docs/benchmarks.md]
+    .venv/bin/python scripts/bench_render.py [--fixtures DIR] [--repeats 7] [--no-pypi] [--write docs/benchmarks.md]
 
 Agent conversations with 1, 10 and 30 tool turns (each: an assistant turn with reasoning and a tool
 call, then a ~150-token tool result) on the Qwen3 tokenizer, then 10 tool turns on other families
 (Llama 3.1, gpt-oss) and on the Qwen3 template through the generic renderer. For each size it times
 
-- reference: ``apply_chat_template(tokenize=False)`` + ``tokenizer(text, add_special_tokens=False)``
-- tito render, cold: ``Renderer.render`` (ids + attribution) with its encoding caches emptied first
+- reference: ``apply_chat_template(tokenize=True)``
+- tito render, cold: ``Renderer.render`` (ids + attribution) of never-seen content (every message's
+  text made unique per call), with tito's encoding caches emptied first
 - tito render, warm: the same conversation again (each rollout of a GRPO group renders the same prompt)
-- tito bridge: appending one never-seen ~150-token tool result to the full history
-- the tokenizer's own encode of that tool result, for scale: no renderer can bridge faster than this
+- tito bridge: appending one never-seen ~150-token tool result to the history (flat in its length)
+- PyPI ``renderers==0.1.12`` (Qwen3 only): cold render and ``bridge_to_next_turn`` on the same kind of
+  content, in its own venv (the one tests/test_serve_embedded.py builds), next to transformers timed in
+  that process
 
-Each figure is the median of ``--repeats`` rounds; a round times enough calls to last ~0.2 s. The
-machine is shared and noisy, so the ratio (measured back to back) is the figure to read.
+Each figure is the median of ``--repeats`` rounds; a round times enough calls to last ~0.15 s. The
+machine is shared and noisy, so the ratios (measured back to back) are the figures to read.
 """
 
 from __future__ import annotations
@@ -81,21 +84,35 @@ def conversation(turns: int, tok, style: str, seed: int = 0) -> list[dict]:
     return msgs
 
 
-def timeit(fn, min_time: float = 0.2) -> float:
-    """Seconds per call: run fn enough times to last min_time."""
-    n, elapsed = 1, 0.0
-    while True:
+def unique(msgs: list[dict], tag: str) -> list[dict]:
+    """The conversation with every message's text made unique: no cache anywhere can help."""
+    return [dict(m, content=f"[{tag}] {m['content']}") if m.get("content") else m for m in msgs]
+
+
+def per_call(fn, inputs: list, rounds: int) -> float:
+    """Median seconds per call over ``rounds`` rounds, each calling ``fn`` once on each of its own
+    slice of ``inputs`` (never an input twice)."""
+    n = len(inputs) // rounds
+    times = []
+    for k in range(rounds):
+        chunk = inputs[k * n : (k + 1) * n]
         t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        elapsed = time.perf_counter() - t0
-        if elapsed >= min_time:
-            return elapsed / n
-        n *= 2
+        for x in chunk:
+            fn(x)
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
 
 
-def measure(r, hf, tok, turns: int, repeats: int, style: str) -> tuple:
-    """One row of the table: medians over `repeats` rounds for a conversation of `turns` tool turns."""
+def calls_for(fn, x, budget: float = 0.15) -> int:
+    """How many calls of ``fn`` fill a round of ~budget seconds (at least 3)."""
+    t0 = time.perf_counter()
+    fn(x)
+    return max(3, min(400, int(budget / max(time.perf_counter() - t0, 1e-6))))
+
+
+def measure(r, hf, tok, turns: int, repeats: int, style: str, pypi: dict | None = None) -> dict:
+    """One row: medians over ``repeats`` rounds, for a conversation of ``turns`` tool turns, every call
+    on never-seen content (and tito's encoding caches emptied before each cold render)."""
     msgs = conversation(turns, tok, style)
     hist, last = msgs[:-1], msgs[-1]
     template = r.tokenizer.chat_template
@@ -104,38 +121,93 @@ def measure(r, hf, tok, turns: int, repeats: int, style: str) -> tuple:
     completion = turn[: max(i for i, t in enumerate(turn) if t in r.stop_token_ids) + 1]  # through its stop token
     n_tokens = len(r.render_ids(msgs, TOOLS))
 
-    def ref():
-        return hf(hf.apply_chat_template(msgs, tools=TOOLS, tokenize=False, chat_template=template),
-                  add_special_tokens=False)["input_ids"]
+    def ref(m):
+        out = hf.apply_chat_template(m, tools=TOOLS, tokenize=True, chat_template=template)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
 
-    assert r.render_ids(msgs, TOOLS) == ref(), "parity broken: benchmark would be meaningless"
+    assert r.render_ids(msgs, TOOLS) == ref(msgs), "parity broken: benchmark would be meaningless"
     assert isinstance(r.bridge(prompt, completion, [last], TOOLS), renderers.Bridged)
 
-    def cold():  # nothing cached: every run of text is encoded
+    def cold(m):
         clear_caches()
-        r.render(msgs, TOOLS)
+        r.render(m, TOOLS)
 
-    def warm():  # the same prompt again, as for each rollout of a GRPO group
-        r.render(msgs, TOOLS)
+    def bridge(m):
+        r.bridge(prompt, completion, m, TOOLS)
 
+    n_render = calls_for(ref, msgs) * repeats
+    n_ours = calls_for(cold, msgs) * repeats
+    convs = [unique(msgs, f"{style}{turns}.{i}") for i in range(max(n_render, n_ours))]
     rng = random.Random(1)
-    pool = [{"role": "tool", "content": tool_result(rng, 150, tok, style)} for _ in range(64)]
-    fresh_results = iter([dict(m, content=f"[{i}] {m['content']}") for i in range(100_000) for m in pool[i % 64 : i % 64 + 1]])
+    results = [[{"role": "tool", "content": f"[{i}] " + tool_result(rng, 150, tok, style)}] for i in range(64)]
+    n_bridge = calls_for(bridge, results[0]) * repeats
+    fresh = [[dict(results[i % 64][0], content=f"<{i}> {results[i % 64][0]['content']}")] for i in range(n_bridge)]
+    med = {"ref": per_call(ref, convs[:n_render], repeats), "cold": per_call(cold, convs[:n_ours], repeats),
+           "warm": per_call(lambda _m: r.render(msgs, TOOLS), [None] * n_ours, repeats),
+           "bridge": per_call(bridge, fresh, repeats)}
+    row = {"turns": turns, "tokens": n_tokens, **med}
+    if pypi is not None:
+        row["pypi"] = pypi_measure(pypi, msgs, last, style, turns, repeats)
+    return row
 
-    def bridge_cold():  # a tool result never seen before (the template's scaffold stays cached)
-        r.bridge(prompt, completion, [next(fresh_results)], TOOLS)
 
-    def encode_only():  # the tokenizer's own cost for the tool result's text, for scale
-        tok.backend.encode("\n" + last["content"] + "\n", add_special_tokens=False)
+# The PyPI `renderers` package, timed in its own venv (tests/test_serve_embedded.py builds it) on the same
+# conversations, next to transformers in that process: its ratio to transformers is comparable with ours.
+PYPI_SCRIPT = r"""
+import json, statistics, sys, time
+from renderers import Qwen3RendererConfig, create_renderer
+from renderers.base import load_tokenizer
+from transformers import AutoTokenizer
+job = json.load(open(sys.argv[1]))
+r = create_renderer(load_tokenizer(job["tokenizer"]), Qwen3RendererConfig())
+hf = AutoTokenizer.from_pretrained(job["tokenizer"], local_files_only=True)
+tools, rounds = job["tools"], job["rounds"]
+def per_call(fn, inputs):
+    n = len(inputs) // rounds
+    out = []
+    for k in range(rounds):
+        chunk = inputs[k * n:(k + 1) * n]
+        t0 = time.perf_counter()
+        for x in chunk:
+            fn(x)
+        out.append((time.perf_counter() - t0) / n)
+    return statistics.median(out)
+msgs = job["messages"]
+hist = msgs[:-1]
+prompt = r.render_ids(hist[:-1], tools=tools, add_generation_prompt=True)
+turn = r.render_ids(hist, tools=tools)[len(prompt):]
+stops = set(r.get_stop_token_ids())
+completion = turn[: max(i for i, t in enumerate(turn) if t in stops) + 1]
+assert r.render_ids(msgs, tools=tools) == hf.apply_chat_template(msgs, tools=tools, tokenize=True)["input_ids"]
+res = {
+    "ref": per_call(lambda m: hf.apply_chat_template(m, tools=tools, tokenize=True), job["convs"]),
+    "cold": per_call(lambda m: r.render(m, tools=tools), job["convs"]),
+    "bridge": per_call(lambda m: r.bridge_to_next_turn(prompt, completion, m, tools=tools), job["fresh"]),
+}
+print(json.dumps(res))
+"""
 
-    times = {f: [] for f in (ref, cold, warm, bridge_cold, encode_only)}
-    for _ in range(repeats):
-        for f in times:
-            times[f].append(timeit(f))
-    med = {f.__name__: statistics.median(t) for f, t in times.items()}
-    return (turns, n_tokens, n_tokens / med["ref"], n_tokens / med["cold"], n_tokens / med["warm"],
-                 med["ref"] / med["cold"], med["ref"] / med["warm"], med["bridge_cold"] * 1e3,
-                 med["encode_only"] * 1e3)
+
+def pypi_measure(pypi: dict, msgs, last, style: str, turns: int, repeats: int) -> dict | None:
+    import json
+    import subprocess
+    import tempfile
+
+    n = 40 * repeats if turns < 30 else 12 * repeats
+    job = {"tokenizer": pypi["tokenizer"], "tools": TOOLS, "rounds": repeats,
+           "messages": [dict(m) for m in msgs],
+           "convs": [unique(msgs, f"pypi{style}{turns}.{i}") for i in range(n)],
+           "fresh": [[dict(last, content=f"<{i}> {last['content']}")] for i in range(n * 4)]}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    done = subprocess.run([pypi["python"], "-I", "-c", PYPI_SCRIPT, f.name], capture_output=True, text=True,
+                          env=env, timeout=1800)
+    os.unlink(f.name)
+    if done.returncode != 0:
+        print(f"renderers (PyPI) failed: {done.stderr[-1500:]}", file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # Other families at 10 tool turns: (label, fixture tokenizer, renderer name or None for the hash's choice)
@@ -147,11 +219,19 @@ FAMILIES = (
 )
 
 
+def pypi_python() -> str | None:
+    """The interpreter of the venv holding renderers==0.1.12 (built by tests/test_serve_embedded.py)."""
+    cache = Path(os.environ.get("TITO_CACHE") or "~/.cache/tito").expanduser()
+    python = cache / "venvs" / "renderers-0.1.12" / "bin" / "python"
+    return str(python) if python.is_file() else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fixtures", default=os.environ.get("TITO_FIXTURES", REPO.parent / "shared" / "fixtures"))
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--write", help="replace the render section of this markdown file with the table")
+    ap.add_argument("--no-pypi", action="store_true", help="skip renderers==0.1.12 (PyPI)")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -162,11 +242,16 @@ def main() -> None:
 
     hf, tok = load("qwen3-0.6b")
     r = renderers.create_renderer(tok)
+    python = None if args.no_pypi else pypi_python()
+    pypi = {"python": python, "tokenizer": str(Path(args.fixtures) / "tokenizers" / "qwen3-0.6b")} if python else None
+    if not args.no_pypi and python is None:
+        print("renderers==0.1.12 venv not found (run tests/test_serve_embedded.py once): skipped", file=sys.stderr)
 
     tables = []
     for style, title in (("code", "code and JSON tool results (ASCII)"), ("multilingual", "multilingual tool results")):
-        rows = [measure(r, hf, tok, turns, args.repeats, style) for turns in (1, 10, 30)]
-        tables.append(f"### {title}\n\n" + format_table(rows))
+        rows = [measure(r, hf, tok, turns, args.repeats, style, pypi) for turns in (1, 10, 30)]
+        tables.append(f"### Qwen3, {title}\n\n" + format_table(rows))
+        print(tables[-1], flush=True)
     family_rows = []
     for label, fixture, name in FAMILIES:
         hf_f, tok_f = load(fixture)
@@ -179,26 +264,31 @@ def main() -> None:
         write_section(Path(args.write), table, args.repeats)
 
 
-def format_table(rows: list[tuple]) -> str:
+def format_table(rows: list[dict]) -> str:
     lines = [
-        "| tool turns | tokens | reference tok/s | tito cold tok/s | tito warm tok/s | speed-up cold | speed-up warm "
-        "| bridge, 150-token tool result (ms) | tokenizer encode of that result alone (ms) |",
+        "| tool turns | tokens | HF apply_chat_template (ms) | tito cold (ms) | tito warm (ms) | tito cold vs HF "
+        "| renderers 0.1.12 cold vs HF | tito bridge (ms) | renderers 0.1.12 bridge (ms) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for turns, n, ref_tps, cold_tps, warm_tps, r_cold, r_warm, br_ms, enc_ms in rows:
-        lines.append(f"| {turns} | {n} | {ref_tps:,.0f} | {cold_tps:,.0f} | {warm_tps:,.0f} | {r_cold:.2f}x "
-                     f"| {r_warm:.2f}x | {br_ms:.3f} | {enc_ms:.3f} |")
+    for row in rows:
+        p = row.get("pypi")
+        pypi_ratio = f"{p['ref'] / p['cold']:.2f}x" if p else "-"
+        pypi_bridge = f"{p['bridge'] * 1e3:.3f}" if p else "-"
+        lines.append(f"| {row['turns']} | {row['tokens']} | {row['ref'] * 1e3:.3f} | {row['cold'] * 1e3:.3f} "
+                     f"| {row['warm'] * 1e3:.3f} | {row['ref'] / row['cold']:.2f}x | {pypi_ratio} "
+                     f"| {row['bridge'] * 1e3:.3f} | {pypi_bridge} |")
     return "\n".join(lines)
 
 
 def format_family_table(rows: list[tuple]) -> str:
     lines = [
-        "| template | renderer | tokens | speed-up cold | speed-up warm | bridge (ms) | bridge vs hand-coded qwen3 |",
+        "| template | renderer | tokens | tito cold vs HF | tito warm vs HF | bridge (ms) | bridge vs hand-coded qwen3 |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    base = rows[0][2][7]  # the hand-coded Qwen3 bridge
-    for label, name, (_turns, n, _ref, _cold, _warm, r_cold, r_warm, br_ms, _enc) in rows:
-        lines.append(f"| {label} | `{name}` | {n} | {r_cold:.2f}x | {r_warm:.2f}x | {br_ms:.3f} | {br_ms / base:.2f}x |")
+    base = rows[0][2]["bridge"]  # the hand-coded Qwen3 bridge
+    for label, name, row in rows:
+        lines.append(f"| {label} | `{name}` | {row['tokens']} | {row['ref'] / row['cold']:.2f}x "
+                     f"| {row['ref'] / row['warm']:.2f}x | {row['bridge'] * 1e3:.3f} | {row['bridge'] / base:.2f}x |")
     return "\n".join(lines)
 
 
@@ -209,9 +299,11 @@ def write_section(path: Path, table: str, repeats: int) -> None:
         f"Command: `.venv/bin/python scripts/bench_render.py --write docs/benchmarks.md`  \n"
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
         f"{time.strftime('%Y-%m-%d')}; median of {repeats} rounds.  \n"
-        "Reference: transformers `apply_chat_template(tokenize=False)` + `tokenizer(text, add_special_tokens=False)`. "
-        "tito render returns ids plus per-token attribution; the bridge appends one tool result and the "
-        "generation prompt to the full history.\n\n"
+        "Reference: transformers `apply_chat_template(tokenize=True)`, and the PyPI `renderers==0.1.12` package "
+        "(its own venv, in a subprocess; its ratio is to transformers timed in that process). Cold: every call "
+        "renders never-seen content (each message's text made unique) and tito's encoding caches are emptied "
+        "first; warm: the same conversation again. tito render returns ids plus per-token attribution; the "
+        "bridge appends one never-seen ~150-token tool result and the generation prompt to the history.\n\n"
         f"{table}\n{end}"
     )
     replace_section(path, "bench_render", body)

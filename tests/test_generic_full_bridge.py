@@ -184,3 +184,29 @@ def test_unknown_history_breaks_with_the_probes_finding_and_a_wrong_history_neve
     assert isinstance(ok, Bridged) and ok.token_ids == family.reference_ids(messages[: k + 2], TOOLS, agp=True)
     cut = r.bridge(prompt, completion[:-1], messages[k + 1 : k + 2], TOOLS, history=messages[:k])  # truncated
     assert isinstance(cut, Bridged) and cut.synthesized == 1 and cut.token_ids == ok.token_ids
+
+
+def test_conversation_memory_is_exact_and_bounded() -> None:
+    """Prompts sharing a key (length and last ids) are never confused; a bridge's entry chains to its
+    parent's; the oldest entries go first."""
+    from renderers.full_bridge import Conversations
+
+    def parse(ids):
+        return {"role": "assistant", "content": f"sampled {ids}"}
+
+    mem = Conversations(limit=3)
+    a, b = [1] * 40 + [5] * 32, [2] * 40 + [5] * 32  # the same key
+    user_a, user_b, tool = {"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "tool", "content": "t"}
+    mem.remember(a, [user_a], None, {})
+    assert mem.recall(b, None, {}, parse) is None
+    assert mem.recall(a, None, {}, parse) == [user_a]
+    assert mem.recall(a, [], {}, parse) is None and mem.recall(a, None, {"enable_thinking": False}, parse) is None
+    mem.extend(a, [*a, 7, 8, 9], [7], [tool], None, {})
+    mem.remember(b, [user_b], None, {})  # takes a's key: a's chain keeps its own link
+    assert mem.recall([*a, 7, 8, 9], None, {}, parse) == [user_a, parse([7]), tool]
+    assert mem.recall(b, None, {}, parse) == [user_b]
+    mem.extend([9, 9], [9, 9, 1], [1], [tool], None, {})  # an unknown prompt: nothing kept
+    assert mem.recall([9, 9, 1], None, {}, parse) is None
+    for k in range(3):
+        mem.remember([100 + k], [user_a], None, {})
+    assert mem.recall(b, None, {}, parse) is None  # evicted

@@ -45,7 +45,7 @@ def test_fastokens_encoding_matches_the_tokenizers_library(name):
     tok = ours(name).text_view
     assert tok.fast_encoder is not None, "every fixture vocabulary should be encoded by fastokens"
 
-    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(st.one_of(SAFE_ASCII, TRICKY, MULTILINGUAL, ANY_TEXT, RUNS))
     def check(text):
         assert tok.encode_plain_with_ends(text) == library_encode(tok._plain, text)
