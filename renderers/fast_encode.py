@@ -155,6 +155,15 @@ class FastEncoder:
             return library_encode(self._plain, text)
         return self._ends(text, ids)
 
+    def ids(self, text: str) -> list[int]:
+        """The ids of :meth:`encode`, without computing the end offsets."""
+        if self._nfc and not text.isascii() and not unicodedata.is_normalized("NFC", text):
+            return self._plain.encode(text, add_special_tokens=False).ids
+        try:
+            return self._fast.encode(text).ids
+        except ValueError:  # a byte the vocabulary has no token for
+            return self._plain.encode(text, add_special_tokens=False).ids
+
     def encode_batch(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
         """One call per text: a render's runs are short, and fastokens' batch call hands them to a thread
         pool whose wake-up costs more than encoding them here (measured on 2 busy cores)."""

@@ -54,7 +54,7 @@ class Pieces:
 _SPLIT_CACHE: dict[tuple[int, str], list[str | int]] = {}
 _CACHE_LIMIT = 8192  # entries per cache; the run cache holds runs up to _RUN_CACHE_CHARS characters
 _RUN_CACHE_CHARS = 16384
-# run text -> (ids, token end offsets). Repeated runs are the common case in RL: a group of rollouts shares its
+# run text -> (ids, token end offsets or None where not needed yet). Repeated runs are the common case in RL: a group of rollouts shares its
 # prompt, and system prompts and tool definitions repeat across tasks.
 _RUN_CACHE: dict[tuple[int, str], tuple[list[int], list[int]]] = {}
 
@@ -99,11 +99,17 @@ def encode_pieces(tok: Tokenizer, items: list[Piece]) -> RenderedTokens:
     for g in groups:
         if isinstance(g[0], str) and g[0] not in encoded and (tid, g[0]) in _RUN_CACHE:
             encoded[g[0]] = _RUN_CACHE[(tid, g[0])]
+    # token end offsets only for runs whose pieces differ in attribution (most runs are one piece's)
+    mixed = {g[0] for g in groups if isinstance(g[0], str) and not _uniform(g[1])}  # type: ignore[arg-type]
     pending = list({g[0] for g in groups if isinstance(g[0], str) and g[0] not in encoded})
     if pending:
         if len(_RUN_CACHE) + len(pending) > _CACHE_LIMIT:
             _RUN_CACHE.clear()
-        for text, enc in zip(pending, tok.encode_plain_batch(pending), strict=True):
+        with_ends = [t for t in pending if t in mixed]
+        ids_only = [t for t in pending if t not in mixed]
+        results = list(zip(with_ends, tok.encode_plain_batch(with_ends), strict=True))
+        results += [(t, (run_ids, None)) for t, run_ids in zip(ids_only, tok.encode_plain_ids_batch(ids_only), strict=True)]
+        for text, enc in results:
             encoded[text] = enc
             if len(text) <= _RUN_CACHE_CHARS:
                 _RUN_CACHE[(tid, text)] = enc
@@ -122,15 +128,24 @@ def encode_pieces(tok: Tokenizer, items: list[Piece]) -> RenderedTokens:
         text, pieces = g  # type: ignore[misc]
         run_ids, ends = encoded[text]
         first = pieces[0]
-        if all(p[1] == first[1] and p[2] == first[2] and p[3] == first[3] for p in pieces):
+        if text not in mixed:
             n = len(run_ids)
             ids.extend(run_ids)
             msg.extend([first[1]] * n)
             content.extend([first[2]] * n)
             sampled.extend([first[3]] * n)
         else:
+            if ends is None:  # cached from a render where this run was one piece's
+                run_ids, ends = encoded[text] = tok.encode_plain_with_ends(text)
+                if len(text) <= _RUN_CACHE_CHARS:
+                    _RUN_CACHE[(tid, text)] = (run_ids, ends)
             _attribute(run_ids, ends, pieces, ids, msg, content, sampled)
     return RenderedTokens(token_ids=ids, message_indices=msg, sampled_mask=sampled, is_content=content)
+
+
+def _uniform(run: list[Piece]) -> bool:
+    first = run[0]
+    return all(p[1] == first[1] and p[2] == first[2] and p[3] == first[3] for p in run)
 
 
 def _attribute(run_ids, ends, run: list[Piece], ids, msg, content, sampled) -> None:

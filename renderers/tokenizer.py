@@ -122,6 +122,16 @@ class Tokenizer:
         encs = self._plain.encode_batch(texts, add_special_tokens=False)
         return [(enc.ids, [end for _, end in enc.offsets]) for enc in encs]
 
+    def encode_plain_ids_batch(self, texts: list[str]) -> list[list[int]]:
+        """The ids of ``encode_plain_batch`` without the end offsets (attribution needs them only where a
+        run of text mixes messages or content with scaffold)."""
+        fast = self.fast_encoder
+        if fast is not None:
+            return [fast.ids(text) for text in texts]
+        if len(texts) == 1:
+            return [self._plain.encode(texts[0], add_special_tokens=False).ids]
+        return [enc.ids for enc in self._plain.encode_batch(texts, add_special_tokens=False)]
+
     @property
     def fast_encoder(self) -> FastEncoder | None:
         """The fastokens encoder for this tokenizer's plain text, built at first use (a few seconds for a

@@ -48,11 +48,14 @@ def test_fastokens_encoding_matches_the_tokenizers_library(name):
     @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(st.one_of(SAFE_ASCII, TRICKY, MULTILINGUAL, ANY_TEXT, RUNS))
     def check(text):
-        assert tok.encode_plain_with_ends(text) == library_encode(tok._plain, text)
+        expected = library_encode(tok._plain, text)
+        assert tok.encode_plain_with_ends(text) == expected
+        assert tok.encode_plain_ids_batch([text]) == [expected[0]]
 
     check()
     texts = ["数据 🙂", "plain", "", "e\u0301 not NFC", "  \n\n  "]
     assert tok.encode_plain_batch(texts) == [library_encode(tok._plain, t) for t in texts]
+    assert tok.encode_plain_ids_batch(texts) == [library_encode(tok._plain, t)[0] for t in texts]
 
 
 def _small_byte_level_bpe():
