@@ -142,6 +142,9 @@ def measure(r, hf, tok, turns: int, repeats: int, style: str, pypi: dict | None 
     results = [[{"role": "tool", "content": f"[{i}] " + tool_result(rng, 150, tok, style)}] for i in range(64)]
     n_bridge = calls_for(bridge, results[0]) * repeats
     fresh = [[dict(results[i % 64][0], content=f"<{i}> {results[i % 64][0]['content']}")] for i in range(n_bridge)]
+    for i in range(20):  # warm up (the first row would otherwise pay for it)
+        cold(unique(msgs, f"warmup{i}"))
+        bridge([dict(results[i][0], content=f"warmup{i}")])
     med = {"ref": per_call(ref, convs[:n_render], repeats), "cold": per_call(cold, convs[:n_ours], repeats),
            "warm": per_call(lambda _m: r.render(msgs, TOOLS), [None] * n_ours, repeats),
            "bridge": per_call(bridge, fresh, repeats)}
