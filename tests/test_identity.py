@@ -13,7 +13,7 @@ import sys
 import pyarrow as pa
 import pytest
 
-from rollout.data import load_samples
+from rollout.data import load_samples, shard_files
 from rollout.packing import pack
 from rollout.shards import ShardWriter, read_table
 
@@ -86,7 +86,7 @@ def test_a_corrupted_logprob_is_named(shards, model, tmp_path):
     """Shift one sampled token's stored logprob by 1e-3: the check fails naming the rollout, the turn
     and the token position, and the script exits non-zero."""
     verify = script("verify_identity")
-    table = pa.concat_tables([read_table(f) for f in sorted(shards.glob("*.arrow"))])
+    table = pa.concat_tables([read_table(f) for f in shard_files(shards)])  # the run keeps them in data/
     rows = table.to_pylist()
     victim = rows[1]
     pos = victim["loss_mask"].index(True) + 2
