@@ -145,13 +145,19 @@ class GenericRenderer(GenericBridge, Renderer):
 
     @property  # type: ignore[override]
     def stop_token_ids(self) -> tuple[int, ...]:
-        """The probe's turn-closing tokens, then the tokenizer's end-of-sequence ids."""
+        """The probe's turn-closing tokens, then the tokenizer's end-of-sequence ids; never one of the
+        dialect's structural markers. A template with no end-of-turn token (GLM: the next role tag ends
+        a turn) renders a tool-call turn ending in ``</tool_call>``, which the probe reads as a stop; sent
+        to an engine, it would end the turn after the first of several parallel calls."""
         probe = self.probe
         cached = self.__dict__.get("_stops")
         if cached is not None and cached[0] is probe:
             return cached[1]
         tok = self.tokenizer
-        stops = [tok.added_tokens[t] for t in probe.stop_tokens]
+        dialect = dialect_for(tok)
+        structure = set() if dialect is None else {
+            *(dialect.think_ids or ()), *(dialect.call_ids or ()), *(dialect.section_ids or ())}
+        stops = [i for i in (tok.added_tokens[t] for t in probe.stop_tokens) if i not in structure]
         ids = tuple(dict.fromkeys([*stops, *tok.eos_token_ids, *self._end_of_text]))
         self._stops = (probe, ids)
         return ids

@@ -228,6 +228,36 @@ def test_every_truncation_parses_and_a_cut_call_is_unclosed(family_id: str) -> N
         assert cut.stop_token_id is None or k == len(completion) or completion[k - 1] == cut.stop_token_id
 
 
+@pytest.mark.parametrize("family_id", IDS)
+def test_no_structural_marker_is_an_engine_stop(family_id: str) -> None:
+    """The stop ids an engine gets never hold a dialect's own think / call / section markers: GLM's
+    template ends a tool-call turn with ``</tool_call>`` (it has no end-of-turn token), and the probe once
+    took it for a stop, so an engine ended every turn after the first of several parallel calls."""
+    tok = pair(family_id)[0]
+    d = dialect_for(tok)
+    structure = {*(d.think_ids or ()), *(d.call_ids or ()), *(d.section_ids or ())}
+    stops = generic(family_id).stop_token_ids
+    assert stops and not structure & set(stops), [tok.decode([i]) for i in structure & set(stops)]
+
+
+def test_glm_parallel_calls_end_at_the_observation_tag() -> None:
+    """A GLM turn with two calls, sampled until the next role tag: both calls parse, and the turn ends
+    at ``<|observation|>`` (a stop the engine gets), not at the first ``</tool_call>``."""
+    tok = pair("glm-4.6")[0]
+    r = generic("glm-4.6")
+    observation = tok.token_id("<|observation|>")
+    assert observation in r.stop_token_ids
+    text = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
+            "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>")
+    completion = [*tok.encode(text), observation]
+    first_close = completion.index(tok.token_id("</tool_call>"))
+    assert first_close < len(completion) - 2 and not set(completion[: first_close + 1]) & set(r.stop_token_ids)
+    parsed = r.parse_response(completion, None, TOOLS)
+    assert [(c.name, c.arguments["city"], c.status) for c in parsed.tool_calls] == [
+        ("get_weather", "Paris", ToolCallStatus.OK), ("get_weather", "Oslo", ToolCallStatus.OK)]
+    assert parsed.stop_token_id == observation
+
+
 MALFORMED = {  # family -> [(completion text, expected statuses)], written as the model would sample them
     "glm-4.6": [
         ("<tool_call>get_weather\n<arg_key>city</arg_key>\nParis\n</tool_call>", [ToolCallStatus.INVALID_ARGUMENTS]),
