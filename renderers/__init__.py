@@ -1,4 +1,4 @@
-"""renderers: conversation <-> token ids, exactly as each model's chat template, with attribution.
+"""tito_renderers: conversation <-> token ids, exactly as each model's chat template, with attribution.
 
 tok = load_tokenizer("path/to/tokenizer-dir-or.gguf")
 r = create_renderer(tok)                 # chosen by the template's sha256
@@ -7,22 +7,31 @@ parsed = r.parse_response(completion_ids, prompt.token_ids)
 nxt = r.bridge(prompt.token_ids, completion_ids, new_messages)   # Bridged | Break
 """
 
-from .base import EFFORT_LEVELS, Renderer, TemplateRejected, nearest_effort, parse_json_call
-from .messages import MessageError, normalize_messages
-from .registry import RENDERERS, UnknownTemplateError, create_renderer, select_renderer
-from .tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
-from .training import build_training_sample
-from .types import (
-    Break,
-    BreakReason,
-    Bridged,
-    Capabilities,
-    ParsedResponse,
-    RenderedTokens,
-    ToolCall,
-    ToolCallStatus,
-    TrainingSample,
-)
+if __name__ == "renderers":  # this source directory found under its old top-level name: see _toplevel.py
+    from ._toplevel import hand_over
+
+    hand_over()
+else:
+    from ._coexist import check_at_import
+
+    check_at_import()  # an old tito and PyPI renderers merged into one folder: refuse, naming the fix
+
+    from .base import EFFORT_LEVELS, Renderer, TemplateRejected, nearest_effort, parse_json_call
+    from .messages import MessageError, normalize_messages
+    from .registry import RENDERERS, UnknownTemplateError, create_renderer, select_renderer
+    from .tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
+    from .training import build_training_sample
+    from .types import (
+        Break,
+        BreakReason,
+        Bridged,
+        Capabilities,
+        ParsedResponse,
+        RenderedTokens,
+        ToolCall,
+        ToolCallStatus,
+        TrainingSample,
+    )
 
 __all__ = [
     "EFFORT_LEVELS",

@@ -33,7 +33,7 @@ def _parse_kwargs(pairs: list[str]) -> dict:
 
 
 def _tokenizer(args):
-    from renderers import load_tokenizer
+    from tito_renderers import load_tokenizer
 
     from .models import resolve_model
 
@@ -48,7 +48,7 @@ def _tokenizer(args):
 
 
 def _renderer(args):
-    from renderers import create_renderer
+    from tito_renderers import create_renderer
 
     return create_renderer(_tokenizer(args), name=args.renderer, **_parse_kwargs(args.template_kwarg))
 
@@ -75,7 +75,7 @@ def cmd_render(args) -> int:
 
 
 def cmd_template(args) -> int:
-    from renderers import select_renderer
+    from tito_renderers import select_renderer
 
     tok = _tokenizer(args)
     print(f"model      {tok.name_or_path}")

@@ -36,7 +36,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from renderers import load_tokenizer
+    from tito_renderers import load_tokenizer
 
     from .inspect_shards import _sample, inspect
     from .models import resolve_model

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from renderers import Renderer
+from tito_renderers import Renderer
 
 from .config import RunConfig
 from .engines.protocol import EngineInfo, GenerateRequest, SamplingParams

@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from renderers.tokenizer import cache_dir
+from tito_renderers.tokenizer import cache_dir
 
 if TYPE_CHECKING:
     import torch

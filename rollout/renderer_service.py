@@ -16,8 +16,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import renderers
-from renderers import Break
+import tito_renderers as renderers
+from tito_renderers import Break
 
 from .samples import SampleBuilder, Segment
 from .shards import BREAKS, DATA_DIR, SAMPLING_COLUMNS, STREAM, ShardWriter

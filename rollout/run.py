@@ -167,7 +167,7 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
 
     from actors.engine import start_engine_actors
     from actors.renderer import start_renderer_actors
-    from renderers import create_renderer, load_tokenizer
+    from tito_renderers import create_renderer, load_tokenizer
 
     from .envs import load_tasks, make_env
 

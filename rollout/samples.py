@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from renderers import Bridged, RenderedTokens
+from tito_renderers import Bridged, RenderedTokens
 
 
 class Segment(msgspec.Struct):

@@ -37,8 +37,8 @@ sys.path.insert(0, str(REPO))
 
 from benchdoc import markers, replace_section  # noqa: E402
 
-import renderers  # noqa: E402
-from renderers.pieces import clear_caches  # noqa: E402
+import tito_renderers as renderers  # noqa: E402
+from tito_renderers.pieces import clear_caches  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the corpus.",
                                           "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]

@@ -51,10 +51,10 @@ def main() -> int:
     ap.add_argument("--size", default="1400,900", help="window size W,H")
     args = ap.parse_args()
 
-    from renderers import load_tokenizer
     from rollout.data import open_shards
     from rollout.models import resolve_model
     from rollout.viewer import write_viewer
+    from tito_renderers import load_tokenizer
 
     out_dir = Path(args.out_dir)
     chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")

@@ -74,7 +74,7 @@ def smollm2_gguf() -> Path:
 @functools.cache
 def ours(name: str):
     """Our tokenizer for a fixture name (or 'smollm2'), loaded once per session."""
-    import renderers
+    import tito_renderers as renderers
 
     return renderers.load_tokenizer(smollm2_gguf() if name == SMOLLM2 else tokenizer_dir(name))
 
@@ -92,7 +92,7 @@ def reference(name: str):
 
 def reference_ids(name: str, messages, tools=None, add_generation_prompt=False, **kwargs) -> list[int]:
     """apply_chat_template(tokenize=False) tokenized with add_special_tokens=False, as the contract says."""
-    from renderers import normalize_messages
+    from tito_renderers import normalize_messages
 
     hf = reference(name)
     text = hf.apply_chat_template(

@@ -20,8 +20,8 @@ import jinja2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import renderers
-from renderers import Break, BreakReason, Bridged, ToolCallStatus
+import tito_renderers as renderers
+from tito_renderers import Break, BreakReason, Bridged, ToolCallStatus
 
 from ._support import fixtures_dir, ours, reference
 

@@ -280,7 +280,7 @@ def build(name: str) -> Path:
 def _load_built(name: str):
     from transformers import AutoTokenizer
 
-    import renderers
+    import tito_renderers as renderers
 
     path = build(name)
     return renderers.load_tokenizer(path), AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -9,8 +9,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import renderers
-from renderers import Break, BreakReason, Bridged
+import tito_renderers as renderers
+from tito_renderers import Break, BreakReason, Bridged
 
 from ._support import ours, reference_ids
 
@@ -85,7 +85,7 @@ def test_bridge_equals_reference_where_append_stable(fixture, variant, kwargs, r
         tools = None
 
         def ref(ms, agp=False):
-            from renderers.chatml import CHATML_TEMPLATE
+            from tito_renderers.chatml import CHATML_TEMPLATE
 
             from ._support import reference
 

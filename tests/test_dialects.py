@@ -21,9 +21,9 @@ from functools import cache
 
 import pytest
 
-import renderers
-from renderers.dialects import Dialect, detect_dialects, dialect_for, dialect_named, registered
-from renderers.types import ToolCallStatus
+import tito_renderers as renderers
+from tito_renderers.dialects import Dialect, detect_dialects, dialect_for, dialect_named, registered
+from tito_renderers.types import ToolCallStatus
 
 from ._support import fixtures_dir, ours, reference
 from .conftest import TokenizerPair
@@ -441,7 +441,7 @@ def test_parse_never_raises_on_random_ids(family_id: str) -> None:
 def test_a_hand_coded_renderer_opts_in_with_its_dialect_attribute() -> None:
     """``Renderer.dialect`` delegates parse_response to that dialect (with the renderer's stop ids) where
     the vocabulary has its markers, and keeps the base scan where it has not."""
-    from renderers.qwen import Qwen3Renderer
+    from tito_renderers.qwen import Qwen3Renderer
 
     tok = ours("qwen3-0.6b")
     text = ("<think>\nplan\n</think>\n\nOk.\n<tool_call>\n<function=search>\n<parameter=limit>\n3\n</parameter>\n"

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-import renderers
-from renderers.dialects import dialect_for
-from renderers.types import ToolCallStatus
+import tito_renderers as renderers
+from tito_renderers.dialects import dialect_for
+from tito_renderers.types import ToolCallStatus
 
 from ._support import fixtures_dir, ours, reference
 from .reconstructed import load
@@ -295,10 +295,10 @@ def test_detected_dialect(family: str) -> None:
 def test_detection_needs_the_markers() -> None:
     """Each dialect says no on a vocabulary without its markers, and a Mistral vocabulary without
     [THINK]/[/THINK] (v11) has no reasoning channel: the text stays content."""
-    from renderers.dialects.gemma4 import Gemma4
-    from renderers.dialects.llama3_json import Llama3Json
-    from renderers.dialects.mistral import Mistral
-    from renderers.dialects.nemotron import NemotronToolcall
+    from tito_renderers.dialects.gemma4 import Gemma4
+    from tito_renderers.dialects.llama3_json import Llama3Json
+    from tito_renderers.dialects.mistral import Mistral
+    from tito_renderers.dialects.nemotron import NemotronToolcall
 
     qwen, _, _ = pair("qwen3.5")
     llama, _, _ = pair("llama3-json")

@@ -16,7 +16,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from renderers.types import ParsedResponse, ToolCall, ToolCallStatus
 from rollout.envs import (
     ENVIRONMENTS,
     CalculatorError,
@@ -31,6 +30,7 @@ from rollout.envs import (
     make_env,
 )
 from rollout.envs.scoring import check_answer, last_number
+from tito_renderers.types import ParsedResponse, ToolCall, ToolCallStatus
 
 # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -222,7 +222,7 @@ def test_tool_results_and_errors_bridge_append_only_with_a_real_renderer() -> No
     """The whole path on Qwen3's renderer: parse a completion with a good call, a call with a Python-style
     boolean (invalid JSON, renderers #47) and broken JSON; every call gets a tool message and the next
     prompt extends the previous one exactly."""
-    import renderers
+    import tito_renderers as renderers
 
     from ._support import ours
 

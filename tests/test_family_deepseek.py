@@ -21,8 +21,8 @@ from typing import Any
 import jinja2
 import pytest
 
-import renderers
-from renderers import Break, BreakReason, Bridged, ToolCallStatus
+import tito_renderers as renderers
+from tito_renderers import Break, BreakReason, Bridged, ToolCallStatus
 
 from . import test_parity as parity_harness
 from ._support import reference

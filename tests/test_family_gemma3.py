@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import renderers
-from renderers import Break, BreakReason, Bridged, MessageError, TemplateRejected
+import tito_renderers as renderers
+from tito_renderers import Break, BreakReason, Bridged, MessageError, TemplateRejected
 
 from .convgen import Conversation, ConvGen, contains_marker, defuse, generate, marker_regex
 from .family_checks import Family, check_bridge_contract, check_parse_fuzz, check_round_trip

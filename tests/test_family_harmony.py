@@ -20,9 +20,9 @@ from typing import Any
 import jinja2
 import pytest
 
-import renderers
-from renderers import TemplateRejected
-from renderers.harmony import HarmonyRenderer, functions_namespace
+import tito_renderers as renderers
+from tito_renderers import TemplateRejected
+from tito_renderers.harmony import HarmonyRenderer, functions_namespace
 
 from ._support import reference
 from .conftest import TokenizerStore

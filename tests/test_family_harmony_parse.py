@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-import renderers
-from renderers import Break, BreakReason, Bridged, ToolCallStatus
-from renderers.harmony import HarmonyRenderer
+import tito_renderers as renderers
+from tito_renderers import Break, BreakReason, Bridged, ToolCallStatus
+from tito_renderers.harmony import HarmonyRenderer
 
 from .test_family_harmony import CALL, EDGE_CASES, FAMILY, SCHEMA_TOOLS, Q, _call
 from .test_family_harmony import completion_ids as _ids

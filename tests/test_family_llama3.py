@@ -11,10 +11,10 @@ from datetime import datetime
 
 import pytest
 
-import renderers
-from renderers import Break, BreakReason, Bridged, TemplateRejected, ToolCallStatus
-from renderers.llama3 import Llama31Renderer, Llama32Renderer
-from renderers.llama3_nemotron import NemotronSuperRenderer
+import tito_renderers as renderers
+from tito_renderers import Break, BreakReason, Bridged, TemplateRejected, ToolCallStatus
+from tito_renderers.llama3 import Llama31Renderer, Llama32Renderer
+from tito_renderers.llama3_nemotron import NemotronSuperRenderer
 
 from ._support import fixtures_dir, ours, reference
 from .convgen import Conversation, contains_marker, generate, marker_regex

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-import renderers
-from renderers import Break, Bridged, ToolCallStatus
-from renderers.qwen3_coder import Qwen3CoderRenderer
+import tito_renderers as renderers
+from tito_renderers import Break, Bridged, ToolCallStatus
+from tito_renderers.qwen3_coder import Qwen3CoderRenderer
 
 from ._support import ours, reference
 from .convgen import Conversation, contains_marker, generate, marker_regex

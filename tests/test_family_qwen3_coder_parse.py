@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import renderers
-from renderers import ToolCallStatus
-from renderers.qwen3_coder import Qwen3CoderRenderer, coerce_arguments, function_schemas, parse_xml_call, type_call
+import tito_renderers as renderers
+from tito_renderers import ToolCallStatus
+from tito_renderers.qwen3_coder import Qwen3CoderRenderer, coerce_arguments, function_schemas, parse_xml_call, type_call
 
 from ._support import ours
 from .test_family_qwen3_coder import CODER_TOOLS, FAMILY, TOK, _typed, ids

@@ -10,9 +10,9 @@ from datetime import datetime
 
 import pytest
 
-import renderers
-from renderers import Break, BreakReason, Bridged, TemplateRejected, ToolCallStatus
-from renderers.template_env import ChatTemplate, defuse_template_source, tojson
+import tito_renderers as renderers
+from tito_renderers import Break, BreakReason, Bridged, TemplateRejected, ToolCallStatus
+from tito_renderers.template_env import ChatTemplate, defuse_template_source, tojson
 
 from ._support import fixtures_dir, ours, reference
 from .convgen import generate
@@ -426,7 +426,7 @@ def test_bridge_appends_after_a_truncated_completion_with_the_templates_close() 
 
 
 def test_template_kwargs_are_found_in_the_template_files() -> None:
-    from renderers.probe import template_kwargs
+    from tito_renderers.probe import template_kwargs
 
     def kwargs(name: str) -> dict:
         return template_kwargs(ChatTemplate((fixtures_dir() / "templates" / name).read_text(encoding="utf-8")))

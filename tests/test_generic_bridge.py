@@ -7,8 +7,8 @@ from __future__ import annotations
 import jinja2
 import pytest
 
-import renderers
-from renderers import Break, BreakReason, Bridged
+import tito_renderers as renderers
+from tito_renderers import Break, BreakReason, Bridged
 
 from .family_checks import Family, check_bridge_contract, sampled_completion
 from .test_bridge import TOOLS, call
@@ -132,7 +132,7 @@ def test_bridge_tokens_equal_the_hand_coded_renderers(fid, fixture, template, kw
 
     tok = ours(fixture)
     if template == "chatml":
-        from renderers.chatml import CHATML_TEMPLATE
+        from tito_renderers.chatml import CHATML_TEMPLATE
 
         tok = tok.with_chat_template(CHATML_TEMPLATE, "chatml")
     hand = renderers.create_renderer(tok, **kwargs)

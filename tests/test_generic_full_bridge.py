@@ -11,8 +11,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-import renderers
-from renderers import Break, BreakReason, Bridged
+import tito_renderers as renderers
+from tito_renderers import Break, BreakReason, Bridged
 
 from .family_checks import Family, _has_marker, sampled_completion
 from .test_bridge import TOOLS, call
@@ -189,7 +189,7 @@ def test_unknown_history_breaks_with_the_probes_finding_and_a_wrong_history_neve
 def test_conversation_memory_is_exact_and_bounded() -> None:
     """Prompts sharing a key (length and last ids) are never confused; a bridge's entry chains to its
     parent's; the oldest entries go first."""
-    from renderers.full_bridge import Conversations
+    from tito_renderers.full_bridge import Conversations
 
     def parse(ids):
         return {"role": "assistant", "content": f"sampled {ids}"}

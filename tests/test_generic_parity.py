@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import jinja2
 import pytest
 
-import renderers
-from renderers.chatml import CHATML_TEMPLATE
-from renderers.template_env import ChatTemplate
+import tito_renderers as renderers
+from tito_renderers.chatml import CHATML_TEMPLATE
+from tito_renderers.template_env import ChatTemplate
 
 from ._support import fixtures_dir, ours, reference
 from .conftest import TokenizerPair

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-import renderers
+import tito_renderers as renderers
 from rollout.config import RunConfig
 from rollout.engines.replay import ReplayEngine, ReplayRecord
 from rollout.envs.calculator import CalculatorEnv

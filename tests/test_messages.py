@@ -5,8 +5,8 @@ from __future__ import annotations
 import jinja2
 import pytest
 
-import renderers
-from renderers import MessageError, TemplateRejected, build_training_sample, normalize_messages
+import tito_renderers as renderers
+from tito_renderers import MessageError, TemplateRejected, build_training_sample, normalize_messages
 
 from ._support import ours, reference_ids
 

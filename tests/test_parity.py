@@ -33,9 +33,9 @@ from typing import Any
 import jinja2
 import pytest
 
-import renderers
-from renderers.chatml import CHATML_TEMPLATE
-from renderers.qwen import tojson
+import tito_renderers as renderers
+from tito_renderers.chatml import CHATML_TEMPLATE
+from tito_renderers.qwen import tojson
 
 from .conftest import SMOLLM2, TokenizerPair, TokenizerStore
 from .convgen import DEFUSE_CHAR, Conversation, contains_marker, defuse, generate, iter_strings, marker_regex

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-import renderers
-from renderers import ToolCallStatus
+import tito_renderers as renderers
+from tito_renderers import ToolCallStatus
 
 from ._support import ours, reference
 

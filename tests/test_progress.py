@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-import renderers
+import tito_renderers as renderers
 from rollout.config import RunConfig
 from rollout.engines.replay import ReplayEngine
 from rollout.envs.calculator import CalculatorEnv

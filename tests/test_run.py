@@ -124,8 +124,8 @@ def _old_layout(out, cfg, files: dict[str, list[dict]]) -> None:
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
-    from renderers import create_renderer, load_tokenizer
     from rollout.shards import SAMPLING_COLUMNS, SCHEMA
+    from tito_renderers import create_renderer, load_tokenizer
 
     from .test_data import synthetic_row
 

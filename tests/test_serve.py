@@ -550,12 +550,12 @@ class FlakyEngine:
 
 
 def test_engine_failure_is_500_for_that_request_and_the_server_keeps_serving():
-    from renderers import create_renderer
     from rollout.renderer_service import RendererService
     from rollout.serve.app import ServerState
     from rollout.serve.fleet import Fleet
     from rollout.serve.launch import ServerThread
     from rollout.serve.sessions import SessionManager
+    from tito_renderers import create_renderer
 
     from ._support import ours
 

@@ -27,13 +27,13 @@ MAX_LEN = 1024
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from renderers import create_renderer
     from rollout.engines.replay import ReplayEngine
     from rollout.renderer_service import RendererService
     from rollout.serve.app import ServerState
     from rollout.serve.fleet import Fleet
     from rollout.serve.launch import ServerThread
     from rollout.serve.sessions import SessionManager
+    from tito_renderers import create_renderer
 
     out = tmp_path_factory.mktemp("shards")
     engines = [ReplayEngine(synthetic=True, vocab_size=VOCAB, max_model_len=MAX_LEN, token_delay_s=0.002)

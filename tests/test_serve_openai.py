@@ -23,13 +23,13 @@ MSGS = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 @pytest.fixture(scope="module")
 def server():
-    from renderers import create_renderer
     from rollout.engines.replay import ReplayEngine
     from rollout.renderer_service import RendererService
     from rollout.serve.app import ServerState
     from rollout.serve.fleet import Fleet
     from rollout.serve.launch import ServerThread
     from rollout.serve.sessions import SessionManager
+    from tito_renderers import create_renderer
 
     gguf = str(smollm2_gguf())
     # synthetic replay tokens over SmolLM2's vocabulary (any text, quick); the real engine streams through a

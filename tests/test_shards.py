@@ -8,7 +8,7 @@ import json
 import pyarrow as pa
 import pytest
 
-import renderers
+import tito_renderers as renderers
 from rollout.samples import SampleBuilder
 from rollout.shards import MANIFEST, SCHEMA, SCHEMA_VERSION, ShardWriter, read_table, write_manifest
 

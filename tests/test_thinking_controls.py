@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-import renderers
-from renderers import EFFORT_LEVELS, BreakReason, nearest_effort
+import tito_renderers as renderers
+from tito_renderers import EFFORT_LEVELS, BreakReason, nearest_effort
 
 from ._support import ours, reference_ids
 

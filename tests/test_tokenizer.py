@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import renderers
-from renderers.tokenizer import TokenizerLoadError
+import tito_renderers as renderers
+from tito_renderers.tokenizer import TokenizerLoadError
 
 from ._support import ours, reference, smollm2_gguf, tokenizer_dir
 
@@ -40,7 +40,7 @@ def test_fastokens_encoding_matches_the_tokenizers_library(name):
     ids and offsets on every fixture tokenizer (the message-text view, as renderers encode), for
     ASCII, multilingual, emoji, combining-mark, whitespace-run and arbitrary Unicode text; every
     fixture vocabulary passes the load-time battery and takes the fastokens path."""
-    from renderers.fast_encode import library_encode
+    from tito_renderers.fast_encode import library_encode
 
     tok = ours(name).text_view
     assert tok.fast_encoder is not None, "every fixture vocabulary should be encoded by fastokens"
@@ -74,7 +74,7 @@ def _small_byte_level_bpe():
 def test_fastokens_is_not_used_where_the_rule_or_the_battery_says_no(monkeypatch):
     from tokenizers import Tokenizer as Backend
 
-    from renderers import fast_encode
+    from tito_renderers import fast_encode
 
     plain = _small_byte_level_bpe()
     config = json.loads(plain.to_str())
@@ -94,7 +94,7 @@ def test_fastokens_is_not_used_where_the_rule_or_the_battery_says_no(monkeypatch
 def test_text_nfc_would_change_is_encoded_by_the_library():
     """Qwen's normalizer is NFC: byte lengths of normalized tokens do not measure the original text,
     so such text goes to the tokenizers library (offsets in the text as given)."""
-    from renderers.fast_encode import library_encode
+    from tito_renderers.fast_encode import library_encode
 
     tok = ours("qwen3-0.6b")
     text = "cafe\u0301 \u212b"

@@ -7,7 +7,7 @@ from typing import Any
 
 import pydantic
 
-from renderers.types import ParsedResponse
+from tito_renderers.types import ParsedResponse
 
 from .base import Environment, EnvOptions, Message, RolloutState, Score, StepResult, Task, assistant_messages
 from .generators import arithmetic_tasks

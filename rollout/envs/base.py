@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 import msgspec
 import pydantic
 
-from renderers.types import ParsedResponse, ToolCall, ToolCallStatus
+from tito_renderers.types import ParsedResponse, ToolCall, ToolCallStatus
 
 Message = dict[str, Any]
 # the raw text of a failed call is echoed back to the model, shortened: it is for orientation, not storage

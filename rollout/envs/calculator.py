@@ -7,7 +7,7 @@ from typing import Any
 
 import pydantic
 
-from renderers.types import ParsedResponse
+from tito_renderers.types import ParsedResponse
 
 from .base import (
     Environment,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from renderers.messages import MessageError, normalize_messages
+from tito_renderers.messages import MessageError, normalize_messages
 
 from .base import EnvError, Task
 

@@ -26,7 +26,7 @@ def build_state(cfg: ServeConfig) -> tuple[ServerState, list[Any]]:
 
     from actors.engine import build_backend, start_engine_actors
     from actors.renderer import start_renderer_actors
-    from renderers import create_renderer, load_tokenizer
+    from tito_renderers import create_renderer, load_tokenizer
 
     from ..run import _engine_specs, _init_ray, _model_path
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from renderers import MessageError, normalize_messages
+from tito_renderers import MessageError, normalize_messages
 
 from ..handles import call
 

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from renderers import Renderer
+from tito_renderers import Renderer
 
 from ..engines.protocol import EngineInfo
 from .fleet import Fleet
