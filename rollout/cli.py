@@ -149,11 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--quiet", action="store_true", help="no pip progress output")
     pull.set_defaults(func=cmd_pull)
 
+    from .cli_doctor import register as register_doctor
     from .cli_run import register
     from .cli_serve import register as register_serve
 
     register(sub)
     register_serve(sub)
+    register_doctor(sub)
     return parser
 
 
