@@ -1,7 +1,7 @@
 """Living next to the PyPI distribution ``renderers`` (prime-intellect's library; verifiers depends on it).
 
 tito's renderer package is installed under the import name ``tito_renderers`` (its source directory is
-``renderers/``; setup.py maps it), so ``pip install tito renderers`` gives two packages in two folders. Releases
+``renderers/``; pyproject.toml maps it), so ``pip install tito renderers`` gives two packages in two folders. Releases
 before the rename installed a top-level ``renderers`` package: pip then wrote both distributions into one
 ``site-packages/renderers/`` folder, the last install overwrote the files both ship (``__init__.py``,
 ``base.py``, ``deepseek_v3.py``) and uninstalling either deleted them, so both libraries broke without a word

@@ -5,7 +5,7 @@ import importlib.util as _util
 import sys as _sys
 from pathlib import Path as _Path
 
-# The renderer library is installed as `tito_renderers` from the `renderers/` directory (setup.py). A source tree
+# The renderer library is installed as `tito_renderers` from the `renderers/` directory (pyproject.toml). A source tree
 # that is used without being installed -- a Ray job's uploaded working_dir -- has no directory of that name, so the
 # name is mapped to the sibling directory here, as a last resort after every installed package.
 _SOURCE = _Path(__file__).resolve().parent.parent / "renderers"

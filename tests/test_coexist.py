@@ -113,7 +113,7 @@ class Venv:
 def _copy_tree(dest: Path) -> Path:
     """The installable part of this working tree (what `pip install .` reads)."""
     dest.mkdir(parents=True)
-    for name in ("pyproject.toml", "setup.py", "README.md"):
+    for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, dest / name)
     for name in ("renderers", "rollout", "actors"):
         shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -122,9 +122,11 @@ def _copy_tree(dest: Path) -> Path:
 
 def _old_packaging(tree: Path) -> Path:
     """The tree packaged as tito was before the rename: `renderers/` installed as top-level `renderers`."""
-    (tree / "setup.py").unlink()
     text = (tree / "pyproject.toml").read_text()
     text = re.sub(r'^version = "', 'version = "0.0.1"  # was "', text, count=1, flags=re.M)  # an older release
+    # drop today's [tool.setuptools] tables (the package list and its renaming) for the old packages.find
+    text = re.sub(r"^\[tool\.setuptools(\.package-data)?\]\n(.*\n)*?(?=^\[|\Z)", "", text, flags=re.M)
+    assert "package-dir" not in text and "[tool.setuptools]" not in text
     text += ('\n[tool.setuptools.packages.find]\ninclude = ["renderers*", "rollout*", "actors*"]\n'
              '\n[tool.setuptools.package-data]\nrenderers = ["templates/*.jinja"]\n')
     (tree / "pyproject.toml").write_text(text)
@@ -295,3 +297,19 @@ def test_no_module_of_this_repository_imports_the_old_name():
             if any(n == "renderers" or n.startswith("renderers.") for n in names):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not found, f"import tito_renderers (not renderers) in: {', '.join(found)}"
+
+
+def test_every_package_directory_is_installed():
+    """pyproject.toml lists the packages by hand (``packages.find`` cannot install ``renderers/`` as
+    ``tito_renderers``): every directory with an ``__init__.py`` under renderers/, rollout/ and actors/
+    must be in that list under its installed name, or a wheel would silently leave it out."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    rename = {source: name for name, source in setuptools["package-dir"].items()}
+    found = set()
+    for top in ("renderers", "rollout", "actors"):
+        for init in (REPO / top).rglob("__init__.py"):
+            parts = init.parent.relative_to(REPO).parts
+            found.add(".".join([rename.get(parts[0], parts[0]), *parts[1:]]))
+    assert found == set(setuptools["packages"])
