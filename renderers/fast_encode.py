@@ -125,6 +125,23 @@ class FastEncoder:
         self._lengths_np = lengths
         self._lengths = lengths.tolist()
 
+    @property
+    def nfc(self) -> bool:
+        """The vocabulary normalizes to NFC: text NFC would change is the tokenizers library's to encode."""
+        return self._nfc
+
+    @property
+    def lengths_np(self) -> np.ndarray:
+        """Bytes of text each id stands for, -1 for the unknown token (and ids no token has)."""
+        return self._lengths_np
+
+    def flat(self, texts: list[str]) -> tuple[bytes, bytes]:
+        """Each text's fastokens ids, as :meth:`ids` without its fallbacks, in one call: the ids of all
+        texts as little-endian uint32 bytes and ``len(texts) + 1`` uint64 token offsets. Raises
+        ``ValueError`` where fastokens refuses a text. One call with no per-token Python objects is
+        what makes a long render's encoding cheap; the caller checks the byte lengths add up."""
+        return self._fast.encode_batch_flat(texts)
+
     @classmethod
     def for_backend(cls, plain: BackendTokenizer) -> FastEncoder | None:
         """The encoder for this plain backend, or None where the rule or the battery says no."""

@@ -15,7 +15,10 @@ never is, so a message quoting ``<|im_end|>`` stays ordinary text.
 
 from __future__ import annotations
 
+import unicodedata
 from bisect import bisect_right
+
+import numpy as np
 
 from .tokenizer import Tokenizer
 from .types import RenderedTokens
@@ -25,30 +28,115 @@ Piece = tuple[str | int, int, bool, bool]
 
 
 class Pieces:
-    """An append-only list of pieces bound to a tokenizer."""
+    """An append-only list of pieces bound to a tokenizer.
 
-    __slots__ = ("tok", "items")
+    Pieces are not kept one by one: each call adds straight to what encoding needs, so that encoding
+    never walks the pieces again. Text goes into the current run (the text between two special
+    tokens); adjacent text of one run with the same attribution is one "span" (a token inside it gets
+    that attribution whichever piece its characters came from). Specials are kept apart, each with
+    the number of runs before it.
+    """
+
+    __slots__ = ("tok", "runs", "parts", "run_span", "sp_ids", "sp_msg", "sp_sampled", "sp_run",
+                 "span_end", "span_msg", "span_content", "span_sampled", "last", "pos")
 
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
-        self.items: list[Piece] = []
+        self.runs: list[str] = []  # finished runs
+        self.parts: list[str] = []  # the current run's text
+        self.run_span: list[int] = []  # the first span of each run
+        self.sp_ids: list[int] = []
+        self.sp_msg: list[int] = []
+        self.sp_sampled: list[bool] = []
+        self.sp_run: list[int] = []  # runs before each special
+        self.span_end: list[int] = []  # character end of each span, in all runs' text concatenated
+        self.span_msg: list[int] = []
+        self.span_content: list[bool] = []
+        self.span_sampled: list[bool] = []
+        self.last: tuple[int, bool, bool] | None = None  # the last span's attribution
+        self.pos = 0
 
     def special(self, token: str | int, message: int = -1, sampled: bool = False) -> None:
-        tid = token if isinstance(token, int) else self.tok.token_id(token)
-        self.items.append((tid, message, False, sampled))
+        self._special(token if token.__class__ is int else self.tok.token_id(token), message, sampled)  # type: ignore[arg-type]
 
     def scaffold(self, text: str, message: int = -1, sampled: bool = False) -> None:
         """Template text: added-token strings inside it become their ids, as in the reference."""
         for part in _split_cached(self.tok, text):
-            self.items.append((part, message, False, sampled))
+            if part.__class__ is int:
+                self._special(part, message, sampled)  # type: ignore[arg-type]
+            else:
+                self._text(part, message, False, sampled)  # type: ignore[arg-type]
 
     def text(self, text: str, message: int, sampled: bool = False, content: bool = True) -> None:
         """Text from a message: always ordinary text."""
         if text:
-            self.items.append((text, message, content, sampled))
+            self._text(text, message, content, sampled)
+
+    def _special(self, tid: int, message: int, sampled: bool) -> None:
+        if self.parts:
+            self.runs.append("".join(self.parts))
+            self.parts = []
+        self.last = None  # a span never crosses a special: runs are encoded apart
+        self.sp_ids.append(tid)
+        self.sp_msg.append(message)
+        self.sp_sampled.append(sampled)
+        self.sp_run.append(len(self.runs))
+
+    def _text(self, text: str, message: int, content: bool, sampled: bool) -> None:
+        # called once per piece of every render: locals, no attribute looked up twice
+        parts = self.parts
+        if not parts:
+            self.run_span.append(len(self.span_end))
+        parts.append(text)
+        pos = self.pos = self.pos + len(text)
+        attr = (message, content, sampled)
+        if attr == self.last:
+            self.span_end[-1] = pos
+        else:
+            self.last = attr
+            self.span_end.append(pos)
+            self.span_msg.append(message)
+            self.span_content.append(content)
+            self.span_sampled.append(sampled)
+
+    def _finish(self) -> None:
+        if self.parts:
+            self.runs.append("".join(self.parts))
+            self.parts = []
+            self.last = None
+
+    @classmethod
+    def from_items(cls, tok: Tokenizer, items: list[Piece]) -> Pieces:
+        p = cls(tok)
+        for value, message, content, sampled in items:
+            if value.__class__ is int:
+                p._special(value, message, sampled)  # type: ignore[arg-type]
+            else:  # an empty text too: a token over it counts its attribution (as _attribute does)
+                p._text(value, message, content, sampled)  # type: ignore[arg-type]
+        return p
 
     def encode(self) -> RenderedTokens:
-        return encode_pieces(self.tok, self.items)
+        """Each run of text between special tokens encoded as a whole. Long renders go through the
+        vectorised path (one fastokens call, attribution with numpy); short ones, and anything that path
+        declines, run by run (same result)."""
+        self._finish()
+        if len(self.span_end) + len(self.sp_ids) >= _VECTOR_MIN_PIECES:
+            fast = self.tok.fast_encoder
+            if fast is not None:
+                out = _encode_vectorised(fast, self)
+                if out is not None:
+                    return out
+        return _encode_runs(self.tok, self)
+
+
+# At fewer pieces (a bridge: a handful; a 1-turn render: ~50) numpy's fixed cost per call outweighs the
+# per-token Python work it saves (measured on the Qwen3 bench).
+_VECTOR_MIN_PIECES = 80
+
+
+def encode_pieces(tok: Tokenizer, items: list[Piece]) -> RenderedTokens:
+    """Encode a list of pieces (the generic renderer builds its own)."""
+    return Pieces.from_items(tok, items).encode()
 
 
 _SPLIT_CACHE: dict[tuple[int, str], list[str | int]] = {}
@@ -56,7 +144,7 @@ _CACHE_LIMIT = 8192  # entries per cache; the run cache holds runs up to _RUN_CA
 _RUN_CACHE_CHARS = 16384
 # run text -> (ids, token end offsets or None where not needed yet). Repeated runs are the common case in RL: a group of rollouts shares its
 # prompt, and system prompts and tool definitions repeat across tasks.
-_RUN_CACHE: dict[tuple[int, str], tuple[list[int], list[int]]] = {}
+_RUN_CACHE: dict[tuple[int, str], tuple[list[int], list[int] | None]] = {}
 
 
 def clear_caches() -> None:
@@ -77,75 +165,170 @@ def _split_cached(tok: Tokenizer, text: str) -> list[str | int]:
     return parts
 
 
-def encode_pieces(tok: Tokenizer, items: list[Piece]) -> RenderedTokens:
-    """Encode pieces: each run of text between special tokens is encoded as a whole, all uncached
-    runs in one batch call (the tokenizer encodes them in parallel)."""
-    # pass 1: group into runs; a run is (text, pieces); a special is an int
-    groups: list[int | tuple[str, list[Piece]]] = []
-    run: list[Piece] = []
-    for piece in items:
-        if isinstance(piece[0], int):
-            if run:
-                groups.append(("".join(p[0] for p in run), run))  # type: ignore[misc]
-                run = []
-            groups.append(piece)  # type: ignore[arg-type]
-        else:
-            run.append(piece)
-    if run:
-        groups.append(("".join(p[0] for p in run), run))  # type: ignore[misc]
-    # pass 2: encode the runs the cache does not hold, in one call
+def _encode_runs(tok: Tokenizer, p: Pieces) -> RenderedTokens:
+    """Run by run: the ids of one-span runs (most of them) without end offsets, in bulk; runs of several
+    spans with end offsets, attributed by ``_attribute``. Uncached runs are encoded in one batch call."""
+    runs = p.runs
+    nspans = len(p.span_end)
+    bounds = [*p.run_span, nspans]
     tid = id(tok)
-    encoded = {}  # this render's runs: looked up before the cache may be cleared below
-    for g in groups:
-        if isinstance(g[0], str) and g[0] not in encoded and (tid, g[0]) in _RUN_CACHE:
-            encoded[g[0]] = _RUN_CACHE[(tid, g[0])]
-    # token end offsets only for runs whose pieces differ in attribution (most runs are one piece's)
-    mixed = {g[0] for g in groups if isinstance(g[0], str) and not _uniform(g[1])}  # type: ignore[arg-type]
-    pending = list({g[0] for g in groups if isinstance(g[0], str) and g[0] not in encoded})
-    if pending:
-        if len(_RUN_CACHE) + len(pending) > _CACHE_LIMIT:
+    encoded: dict[str, tuple[list[int], list[int] | None]] = {}  # this render's runs
+    with_ends: list[str] = []
+    ids_only: list[str] = []
+    for r, text in enumerate(runs):
+        if text in encoded:
+            continue
+        hit = _RUN_CACHE.get((tid, text))
+        mixed = bounds[r + 1] - bounds[r] > 1
+        if hit is not None and (hit[1] is not None or not mixed):
+            encoded[text] = hit
+        elif mixed:
+            encoded[text] = hit or ([], None)  # placeholder, so that a repeated run is encoded once
+            with_ends.append(text)
+        else:
+            encoded[text] = ([], None)
+            ids_only.append(text)
+    if with_ends or ids_only:
+        if len(_RUN_CACHE) + len(with_ends) + len(ids_only) > _CACHE_LIMIT:
             _RUN_CACHE.clear()
-        with_ends = [t for t in pending if t in mixed]
-        ids_only = [t for t in pending if t not in mixed]
         results = list(zip(with_ends, tok.encode_plain_batch(with_ends), strict=True))
         results += [(t, (run_ids, None)) for t, run_ids in zip(ids_only, tok.encode_plain_ids_batch(ids_only), strict=True)]
         for text, enc in results:
             encoded[text] = enc
             if len(text) <= _RUN_CACHE_CHARS:
                 _RUN_CACHE[(tid, text)] = enc
-    # pass 3: assemble with attribution
     ids: list[int] = []
     msg: list[int] = []
     sampled: list[bool] = []
     content: list[bool] = []
-    for g in groups:
-        if isinstance(g[0], int):
-            ids.append(g[0])
-            msg.append(g[1])
+    sp_ids, sp_run = p.sp_ids, p.sp_run
+    k, nsp = 0, len(sp_ids)
+    start = 0  # the run's first character, in the concatenated runs
+    for r, text in enumerate(runs):
+        while k < nsp and sp_run[k] <= r:
+            ids.append(sp_ids[k])
+            msg.append(p.sp_msg[k])
             content.append(False)
-            sampled.append(g[3])
-            continue
-        text, pieces = g  # type: ignore[misc]
+            sampled.append(p.sp_sampled[k])
+            k += 1
         run_ids, ends = encoded[text]
-        first = pieces[0]
-        if text not in mixed:
+        a, b = bounds[r], bounds[r + 1]
+        if b - a == 1:
             n = len(run_ids)
             ids.extend(run_ids)
-            msg.extend([first[1]] * n)
-            content.extend([first[2]] * n)
-            sampled.extend([first[3]] * n)
+            msg.extend([p.span_msg[a]] * n)
+            content.extend([p.span_content[a]] * n)
+            sampled.extend([p.span_sampled[a]] * n)
         else:
-            if ends is None:  # cached from a render where this run was one piece's
-                run_ids, ends = encoded[text] = tok.encode_plain_with_ends(text)
+            if ends is None:  # mixed twice in this render, or cached ids of another render: needs ends
+                run_ids, ends = tok.encode_plain_with_ends(text)
                 if len(text) <= _RUN_CACHE_CHARS:
                     _RUN_CACHE[(tid, text)] = (run_ids, ends)
-            _attribute(run_ids, ends, pieces, ids, msg, content, sampled)
+            spans = []
+            s = start
+            for i in range(a, b):
+                e = p.span_end[i]
+                spans.append((text[s - start : e - start], p.span_msg[i], p.span_content[i], p.span_sampled[i]))
+                s = e
+            _attribute(run_ids, ends, spans, ids, msg, content, sampled)
+        start += len(text)
+    while k < nsp:
+        ids.append(sp_ids[k])
+        msg.append(p.sp_msg[k])
+        content.append(False)
+        sampled.append(p.sp_sampled[k])
+        k += 1
     return RenderedTokens(token_ids=ids, message_indices=msg, sampled_mask=sampled, is_content=content)
 
 
-def _uniform(run: list[Piece]) -> bool:
-    first = run[0]
-    return all(p[1] == first[1] and p[2] == first[2] and p[3] == first[3] for p in run)
+def _encode_vectorised(fast, p: Pieces) -> RenderedTokens | None:
+    """``_encode_runs``' result without per-token Python: every run in one fastokens call, each token's
+    character end from byte lengths over the whole text at once, and its attribution from the span
+    that holds it (``searchsorted``); a token over several spans is attributed as ``_attribute`` does.
+    Returns None where the run-by-run path must decide: text fastokens refuses, NFC would change, or
+    whose byte lengths do not add up (it goes to the tokenizers library there), an unknown token, or a
+    zero-length token (one that completes a character split over tokens) on a span boundary, whose
+    owner depends on the token before it."""
+    runs = p.runs
+    whole = "".join(runs)
+    ascii_text = whole.isascii()
+    if fast.nfc and not ascii_text and not all(t.isascii() or unicodedata.is_normalized("NFC", t) for t in runs):
+        return None
+    try:
+        flat, offsets = fast.flat(runs)
+        ids_np = np.frombuffer(flat, dtype=np.uint32)
+        lengths = fast.lengths_np[ids_np]
+    except (ValueError, IndexError):  # refused by fastokens, or an id beyond the vocabulary
+        return None
+    off = np.frombuffer(offsets, dtype=np.uint64).astype(np.int64)
+    if ids_np.size and int(lengths.min()) <= 0:
+        return None  # an unknown token (or an empty one)
+    byte_cum = np.zeros(ids_np.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=byte_cum[1:])
+    if ascii_text:
+        run_bytes = list(map(len, runs))
+        char_ends = byte_cum[1:]
+    else:
+        data = np.frombuffer(whole.encode("utf-8"), dtype=np.uint8)
+        run_bytes = [len(t.encode("utf-8")) for t in runs]
+        # characters that start before each token's end byte: a token ending inside a character ends with it
+        char_ends = np.cumsum((data & 0xC0) != 0x80)[byte_cum[1:] - 1] if ids_np.size else byte_cum[1:]
+    run_cum = np.zeros(len(runs) + 1, dtype=np.int64)
+    np.cumsum(run_bytes, out=run_cum[1:])
+    if not np.array_equal(byte_cum[off], run_cum):
+        return None  # a run's byte lengths do not add up to its text's
+    span_end = p.span_end
+    nspans = len(span_end)
+    # the span of every character (a zero-length span holds none), and a sentinel past the last
+    span_len = np.diff(np.array([0, *span_end], dtype=np.int64))
+    span_of = np.empty(span_end[-1] + 1 if nspans else 1, dtype=np.int64)
+    span_of[:-1] = np.repeat(np.arange(nspans, dtype=np.int64), span_len)
+    span_of[-1] = nspans
+    j = span_of[char_ends - 1]  # the span of each token's last character ...
+    js = np.empty_like(j)  # ... and of its first (a token starts where the one before it ends)
+    js[:1] = span_of[0]
+    js[1:] = span_of[char_ends[:-1]]
+    span_msg = np.array(p.span_msg, dtype=np.int64)
+    span_content = np.array(p.span_content, dtype=bool)
+    span_sampled = np.array(p.span_sampled, dtype=bool)
+    msg = span_msg[j]
+    content = span_content[j]
+    sampled = span_sampled[j]
+    across = np.flatnonzero(j != js)
+    if across.size:
+        a, b = js[across], j[across]
+        if (a > b).any():
+            return None
+        # a token over spans a..b (as _attribute): content if any of them is, owned by the first content
+        # span (else by span a), sampled only if all of them are
+        n_content = np.concatenate(([0], np.cumsum(span_content)))
+        n_unsampled = np.concatenate(([0], np.cumsum(~span_sampled)))
+        first_content = np.where(span_content, np.arange(nspans), nspans)
+        first_content = np.minimum.accumulate(first_content[::-1])[::-1]  # first content span at or after each
+        any_content = n_content[b + 1] > n_content[a]
+        owner = span_msg[np.minimum(first_content[a], nspans - 1)]
+        msg[across] = np.where(any_content, owner, span_msg[a])
+        content[across] = any_content
+        sampled[across] = n_unsampled[b + 1] == n_unsampled[a]
+    if p.sp_ids:
+        n_sp = len(p.sp_ids)
+        at = off[p.sp_run] + np.arange(n_sp)  # each special's position in the output
+        is_run = np.ones(ids_np.size + n_sp, dtype=bool)
+        is_run[at] = False
+        out_ids = np.empty(is_run.size, dtype=np.int64)
+        out_ids[at] = p.sp_ids
+        out_ids[is_run] = ids_np
+        out_msg = np.empty(is_run.size, dtype=np.int64)
+        out_msg[at] = p.sp_msg
+        out_msg[is_run] = msg
+        out_content = np.zeros(is_run.size, dtype=bool)
+        out_content[is_run] = content
+        out_sampled = np.empty(is_run.size, dtype=bool)
+        out_sampled[at] = p.sp_sampled
+        out_sampled[is_run] = sampled
+        ids_np, msg, content, sampled = out_ids, out_msg, out_content, out_sampled
+    return RenderedTokens(token_ids=ids_np.tolist(), message_indices=msg.tolist(), sampled_mask=sampled.tolist(),
+                          is_content=content.tolist())
 
 
 def _attribute(run_ids, ends, run: list[Piece], ids, msg, content, sampled) -> None:
