@@ -286,14 +286,7 @@ class Renderer:
             if not closed:
                 call.status, call.error = ToolCallStatus.UNCLOSED, "the completion ended inside this tool call"
             calls.append(call)
-        decode = self.tokenizer.decode
-        return ParsedResponse(
-            content=decode(scan.content).strip(),
-            reasoning_content=decode(scan.reasoning).strip() if scan.saw_reasoning else None,
-            tool_calls=calls,
-            reasoning_complete=(not scan.in_reasoning) if scan.saw_reasoning else None,
-            stop_token_id=scan.stop,
-        )
+        return scan.response(calls, self.tokenizer.decode)
 
     def _dialect(self) -> Dialect | None:
         """The dialect named by :attr:`dialect` on this tokenizer, or None where the vocabulary lacks its

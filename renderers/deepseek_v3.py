@@ -200,14 +200,7 @@ class _DeepSeekBase(Renderer):
             if not closed:
                 call.status, call.error = ToolCallStatus.UNCLOSED, "the tool call has no <｜tool▁call▁end｜>"
             calls.append(call)
-        decode = self.tokenizer.decode
-        return ParsedResponse(
-            content=decode(scan.content).strip(),
-            reasoning_content=decode(scan.reasoning).strip() if scan.saw_reasoning else None,
-            tool_calls=calls,
-            reasoning_complete=(not scan.in_reasoning) if scan.saw_reasoning else None,
-            stop_token_id=scan.stop,
-        )
+        return scan.response(calls, self.tokenizer.decode)
 
     def _parse_call(self, body_ids: list[int], span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
         return parse_deepseek_call(self.tokenizer.decode, self._sep_id, body_ids, span, tool_names)

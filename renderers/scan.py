@@ -8,8 +8,10 @@ A completion is read by its added-token ids only, never by its text, so that a m
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+
+from .types import ParsedResponse, ToolCall
 
 
 @dataclass
@@ -28,6 +30,16 @@ class Scan:
     in_reasoning: bool = False
     stop: int | None = None
     end: int = 0
+
+    def response(self, calls: list[ToolCall], decode: Callable[[list[int]], str]) -> ParsedResponse:
+        """The parsed response this scan describes, with ``calls`` (its call spans, parsed by the caller)."""
+        return ParsedResponse(
+            content=decode(self.content).strip(),
+            reasoning_content=decode(self.reasoning).strip() if self.saw_reasoning else None,
+            tool_calls=calls,
+            reasoning_complete=(not self.in_reasoning) if self.saw_reasoning else None,
+            stop_token_id=self.stop,
+        )
 
 
 def scan_ids(

@@ -133,14 +133,7 @@ class Dialect:
             if not closed and not (self.several_per_block and last.status is ToolCallStatus.OK):
                 last.status, last.error = ToolCallStatus.UNCLOSED, "the tool call ended before its close marker"
             calls.extend(type_call(c, offered.schemas) if self.types_arguments(c) else c for c in block)
-        decode = self.tokenizer.decode
-        return ParsedResponse(
-            content=decode(scan.content).strip(),
-            reasoning_content=decode(scan.reasoning).strip() if scan.saw_reasoning else None,
-            tool_calls=calls,
-            reasoning_complete=(not scan.in_reasoning) if scan.saw_reasoning else None,
-            stop_token_id=scan.stop,
-        )
+        return scan.response(calls, self.tokenizer.decode)
 
     def parse_block(self, body_ids: list[int], span: tuple[int, int], offered: Offered) -> list[ToolCall]:
         """The calls between one pair of call markers; one by default (``parse_call``)."""

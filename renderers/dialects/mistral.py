@@ -76,14 +76,7 @@ class Mistral(Dialect):
                 if cut:
                     call.status, call.error = ToolCallStatus.UNCLOSED, "the completion ended inside this tool call"
                 calls.append(call)
-        decode = self.tokenizer.decode
-        return ParsedResponse(
-            content=decode(scan.content).strip(),
-            reasoning_content=decode(scan.reasoning).strip() if scan.saw_reasoning else None,
-            tool_calls=calls,
-            reasoning_complete=(not scan.in_reasoning) if scan.saw_reasoning else None,
-            stop_token_id=scan.stop,
-        )
+        return scan.response(calls, self.tokenizer.decode)
 
     def parse_block(self, body_ids: list[int], span: tuple[int, int], offered: Offered) -> list[ToolCall]:
         decode = self.tokenizer.decode
