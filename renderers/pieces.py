@@ -123,9 +123,22 @@ class Pieces:
         if len(self.span_end) + len(self.sp_ids) >= _VECTOR_MIN_PIECES:
             fast = self.tok.fast_encoder
             if fast is not None:
-                out = _encode_vectorised(fast, self)
+                # the whole render's result by everything it depends on: a group of rollouts renders
+                # one prompt several times (the run cache does this for the run-by-run path)
+                key = (id(self.tok), tuple(self.runs), tuple(self.sp_ids), tuple(self.sp_msg), tuple(self.sp_sampled),
+                       tuple(self.sp_run), tuple(self.span_end), tuple(self.span_msg), tuple(self.span_content),
+                       tuple(self.span_sampled))
+                out = _RENDER_CACHE.get(key)
+                if out is None:
+                    out = _encode_vectorised(fast, self)
+                    if out is not None and out[0].size <= _RENDER_CACHE_TOKENS:
+                        if len(_RENDER_CACHE) >= _RENDER_CACHE_LIMIT:
+                            _RENDER_CACHE.clear()
+                        _RENDER_CACHE[key] = out  # arrays no caller sees: each call gets its own lists
                 if out is not None:
-                    return out
+                    ids, msg, sampled, content = out
+                    return RenderedTokens(token_ids=ids.tolist(), message_indices=msg.tolist(),
+                                          sampled_mask=sampled.tolist(), is_content=content.tolist())
         return _encode_runs(self.tok, self)
 
 
@@ -145,12 +158,17 @@ _RUN_CACHE_CHARS = 16384
 # run text -> (ids, token end offsets or None where not needed yet). Repeated runs are the common case in RL: a group of rollouts shares its
 # prompt, and system prompts and tool definitions repeat across tasks.
 _RUN_CACHE: dict[tuple[int, str], tuple[list[int], list[int] | None]] = {}
+# whole vectorised renders (Pieces.encode): at most this many, of at most this many tokens each (~18 bytes a token)
+_RENDER_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+_RENDER_CACHE_LIMIT = 128
+_RENDER_CACHE_TOKENS = 32768
 
 
 def clear_caches() -> None:
     """Forget cached encodings (benchmarks use it to measure cold renders)."""
     _SPLIT_CACHE.clear()
     _RUN_CACHE.clear()
+    _RENDER_CACHE.clear()
 
 
 def _split_cached(tok: Tokenizer, text: str) -> list[str | int]:
@@ -241,7 +259,7 @@ def _encode_runs(tok: Tokenizer, p: Pieces) -> RenderedTokens:
     return RenderedTokens(token_ids=ids, message_indices=msg, sampled_mask=sampled, is_content=content)
 
 
-def _encode_vectorised(fast, p: Pieces) -> RenderedTokens | None:
+def _encode_vectorised(fast, p: Pieces) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """``_encode_runs``' result without per-token Python: every run in one fastokens call, each token's
     character end from byte lengths over the whole text at once, and its attribution from the span
     that holds it (``searchsorted``); a token over several spans is attributed as ``_attribute`` does.
@@ -327,8 +345,7 @@ def _encode_vectorised(fast, p: Pieces) -> RenderedTokens | None:
         out_sampled[at] = p.sp_sampled
         out_sampled[is_run] = sampled
         ids_np, msg, content, sampled = out_ids, out_msg, out_content, out_sampled
-    return RenderedTokens(token_ids=ids_np.tolist(), message_indices=msg.tolist(), sampled_mask=sampled.tolist(),
-                          is_content=content.tolist())
+    return ids_np, msg, sampled, content
 
 
 def _attribute(run_ids, ends, run: list[Piece], ids, msg, content, sampled) -> None:
