@@ -299,7 +299,7 @@ def write_section(path: Path, table: str, repeats: int) -> None:
     begin, end = markers("bench_render")
     body = (
         f"{begin}\n## Render and bridge\n\n"
-        f"Command: `.venv/bin/python scripts/bench_render.py --write docs/benchmarks.md`  \n"
+        f"Command: `.venv/bin/python scripts/bench_render.py --repeats {repeats} --write docs/benchmarks.md`  \n"
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
         f"{time.strftime('%Y-%m-%d')}; median of {repeats} rounds.  \n"
         "Reference: transformers `apply_chat_template(tokenize=True)`, and the PyPI `renderers==0.1.12` package "
