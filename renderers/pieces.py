@@ -15,7 +15,9 @@ never is, so a message quoting ``<|im_end|>`` stays ordinary text.
 
 from __future__ import annotations
 
+import itertools
 import unicodedata
+import weakref
 from bisect import bisect_right
 
 import numpy as np
@@ -37,11 +39,12 @@ class Pieces:
     the number of runs before it.
     """
 
-    __slots__ = ("tok", "runs", "parts", "run_span", "sp_ids", "sp_msg", "sp_sampled", "sp_run",
+    __slots__ = ("tok", "tok_key", "runs", "parts", "run_span", "sp_ids", "sp_msg", "sp_sampled", "sp_run",
                  "span_end", "span_msg", "span_content", "span_sampled", "last", "pos")
 
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
+        self.tok_key = tokenizer_key(tok)  # once per render: the caches are keyed by it
         self.runs: list[str] = []  # finished runs
         self.parts: list[str] = []  # the current run's text
         self.run_span: list[int] = []  # the first span of each run
@@ -61,7 +64,7 @@ class Pieces:
 
     def scaffold(self, text: str, message: int = -1, sampled: bool = False) -> None:
         """Template text: added-token strings inside it become their ids, as in the reference."""
-        for part in _split_cached(self.tok, text):
+        for part in _split_cached(self.tok, self.tok_key, text):
             if part.__class__ is int:
                 self._special(part, message, sampled)  # type: ignore[arg-type]
             else:
@@ -125,7 +128,7 @@ class Pieces:
             if fast is not None:
                 # the whole render's result by everything it depends on: a group of rollouts renders
                 # one prompt several times (the run cache does this for the run-by-run path)
-                key = (id(self.tok), tuple(self.runs), tuple(self.sp_ids), tuple(self.sp_msg), tuple(self.sp_sampled),
+                key = (self.tok_key, tuple(self.runs), tuple(self.sp_ids), tuple(self.sp_msg), tuple(self.sp_sampled),
                        tuple(self.sp_run), tuple(self.span_end), tuple(self.span_msg), tuple(self.span_content),
                        tuple(self.span_sampled))
                 out = _RENDER_CACHE.get(key)
@@ -164,6 +167,20 @@ _RENDER_CACHE_LIMIT = 128
 _RENDER_CACHE_TOKENS = 32768
 
 
+_TOKENIZER_KEYS: weakref.WeakKeyDictionary[Tokenizer, int] = weakref.WeakKeyDictionary()
+_NEXT_KEY = itertools.count()
+
+
+def tokenizer_key(tok: Tokenizer) -> int:
+    """A cache key for ``tok`` that no other tokenizer ever gets. ``id(tok)`` is not one: once a tokenizer
+    is freed, the next one may be allocated at the same address and would read the dead one's cached ids
+    (another vocabulary's). Copies (``text_view``, ``with_chat_template``) are other objects: other keys."""
+    key = _TOKENIZER_KEYS.get(tok)
+    if key is None:
+        key = _TOKENIZER_KEYS[tok] = next(_NEXT_KEY)
+    return key
+
+
 def clear_caches() -> None:
     """Forget cached encodings (benchmarks use it to measure cold renders)."""
     _SPLIT_CACHE.clear()
@@ -171,8 +188,8 @@ def clear_caches() -> None:
     _RENDER_CACHE.clear()
 
 
-def _split_cached(tok: Tokenizer, text: str) -> list[str | int]:
-    key = (id(tok), text)
+def _split_cached(tok: Tokenizer, tok_key: int, text: str) -> list[str | int]:
+    key = (tok_key, text)
     parts = _SPLIT_CACHE.get(key)
     if parts is None:
         parts = tok.split_added(text)
@@ -189,7 +206,7 @@ def _encode_runs(tok: Tokenizer, p: Pieces) -> RenderedTokens:
     runs = p.runs
     nspans = len(p.span_end)
     bounds = [*p.run_span, nspans]
-    tid = id(tok)
+    tid = p.tok_key
     encoded: dict[str, tuple[list[int], list[int] | None]] = {}  # this render's runs
     with_ends: list[str] = []
     ids_only: list[str] = []

@@ -168,3 +168,29 @@ def test_markers_and_text_view_of_a_vocabulary_without_text_level_added_tokens()
     assert tok.text_view is tok
     other = tok.with_chat_template("{{ messages }}")
     assert other.text_view is other and other.markers == tok.markers
+
+
+def test_encoding_caches_never_serve_a_freed_tokenizers_ids(qwen3_tok):
+    """The encoding caches are keyed per tokenizer object. ``id()`` was that key, but a freed tokenizer's
+    address is reused by the next object allocated, which then read the dead one's cached ids (another
+    vocabulary's). A copy made at a reused address gets a fresh key."""
+    import copy
+    import gc
+
+    from tito_renderers.pieces import tokenizer_key
+
+    seen: dict[int, int] = {}
+    reused = False
+    for _ in range(200):
+        other = copy.copy(qwen3_tok.ours)
+        address, key = id(other), tokenizer_key(other)
+        if address in seen:
+            reused = True
+            assert key != seen[address]
+        seen[address] = key
+        del other
+        gc.collect()
+        if reused:
+            break
+    assert reused, "CPython reuses a freed object's address for the next one of its size"
+    assert tokenizer_key(qwen3_tok.ours) == tokenizer_key(qwen3_tok.ours)
