@@ -19,9 +19,10 @@ Use :func:`start_engine_actors` with a config (a dict or a list of dicts, see :c
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,13 @@ async def build_backend(kind: str, kwargs: Mapping[str, Any]) -> EngineBackend:
     return backend
 
 
+def _decoded(request: GenerateRequest | Mapping[str, Any] | bytes) -> GenerateRequest:
+    """A GenerateRequest as given, or decoded strictly from a dict / JSON bytes (EngineError if bad)."""
+    if isinstance(request, GenerateRequest):
+        return request
+    return decode_request(request if isinstance(request, (bytes, str)) else dict(request))
+
+
 class EngineActorImpl:
     """The actor's body, usable without Ray. ``start()`` builds the backend (every other method calls it too)."""
 
@@ -129,19 +137,8 @@ class EngineActorImpl:
         """Generate for a request (a GenerateRequest, or a dict / JSON bytes decoded strictly by decode_request).
         Raises EngineError for a bad request; the actor keeps serving."""
         backend = await self._ensure()
-        stats = self.stats
-        stats["requests"] += 1
-        stats["in_flight"] += 1
-        stats["peak_in_flight"] = max(stats["peak_in_flight"], stats["in_flight"])
-        try:
-            if not isinstance(request, GenerateRequest):
-                request = decode_request(request if isinstance(request, (bytes, str)) else dict(request))
-            out = await backend.generate(request)
-        except ValueError:  # EngineError and other refusals of this request
-            stats["refused"] += 1
-            raise
-        finally:
-            stats["in_flight"] -= 1
+        with self._counted() as stats:
+            out = await backend.generate(_decoded(request))
         if any(r.finish_reason == "error" for r in out.results):
             stats["errors"] += 1
         return out
@@ -151,17 +148,22 @@ class EngineActorImpl:
         rollout/engines/streaming.py). Call it as a Ray streaming generator:
         ``actor.generate_stream.options(num_returns="streaming").remote(request)``."""
         backend = await self._ensure()
+        with self._counted() as stats:
+            async for item in stream_of(backend, _decoded(request)):
+                if isinstance(item, GenerateOutput) and any(r.finish_reason == "error" for r in item.results):
+                    stats["errors"] += 1
+                yield item
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[dict]:
+        """One request in the stats: counted, in flight until it ends, refused when it raises ValueError
+        (EngineError and other refusals of this request, a body that does not decode included)."""
         stats = self.stats
         stats["requests"] += 1
         stats["in_flight"] += 1
         stats["peak_in_flight"] = max(stats["peak_in_flight"], stats["in_flight"])
         try:
-            if not isinstance(request, GenerateRequest):
-                request = decode_request(request if isinstance(request, (bytes, str)) else dict(request))
-            async for item in stream_of(backend, request):
-                if isinstance(item, GenerateOutput) and any(r.finish_reason == "error" for r in item.results):
-                    stats["errors"] += 1
-                yield item
+            yield stats
         except ValueError:
             stats["refused"] += 1
             raise
