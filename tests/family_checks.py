@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,54 @@ def sampled_completion(renderer: renderers.Renderer, prompt: list[int], full: li
     return rest[: ends[-1] + 1] if ends else None
 
 
+@dataclass(frozen=True)
+class BridgeCase:
+    """One assistant turn ``k`` followed by ``new`` messages, with the reference's ids: ``prompt`` (up to
+    the turn, generation prompt included), ``completion`` (what the model sampled for it) and ``expected``
+    (the render up to the next assistant turn); ``stable``: ``expected`` extends prompt + completion."""
+
+    k: int
+    messages: list[dict]
+    tools: Any
+    new: list[dict]
+    prompt: list[int]
+    completion: list[int]
+    expected: list[int]
+
+    @property
+    def stable(self) -> bool:
+        return self.expected[: len(self.prompt) + len(self.completion)] == self.prompt + self.completion
+
+
+def bridge_cases(family: Family, r: renderers.Renderer, conversations: list[tuple[list[dict], Any]],
+                 counts: dict | None = None) -> Iterator[BridgeCase]:
+    """Every assistant turn of ``conversations`` followed by non-assistant messages that the reference can
+    be compared on; each turn passed over for a reason is counted in ``counts["skipped"]``."""
+    for messages, tools in conversations:
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            nxt = next((j for j in range(k + 1, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
+            new = messages[k + 1 : nxt]
+            if not new:
+                continue
+            completion = None
+            # a marker: transformers would turn it into its id (parity tests cover these)
+            if not _has_marker(r.tokenizer, family.template, messages[:nxt], tools):
+                try:
+                    prompt = family.reference_ids(messages[:k], tools, agp=True)
+                    full = family.reference_ids(messages[: k + 1], tools)
+                    expected = family.reference_ids(messages[:nxt], tools, agp=True)
+                    completion = sampled_completion(r, prompt, full)
+                except (jinja2.exceptions.TemplateError, TypeError):
+                    pass  # the template rejects a prefix (e.g. an empty history)
+            if completion is None:
+                if counts is not None:
+                    counts["skipped"] += 1
+                continue
+            yield BridgeCase(k, messages, tools, new, prompt, completion, expected)
+
+
 def check_bridge_contract(family: Family, conversations: list[tuple[list[dict], Any]], min_exact: int = 5, **kw: Any) -> dict:
     """For every assistant turn k followed by non-assistant messages: bridge(prompt_k, completion_k,
     new messages) must equal the reference's render of the conversation up to the next assistant turn
@@ -87,51 +136,30 @@ def check_bridge_contract(family: Family, conversations: list[tuple[list[dict], 
     Returns counts."""
     r = family.renderer(**kw)
     counts = {"exact": 0, "break": 0, "kept": 0, "truncated": 0, "skipped": 0}
-    for messages, tools in conversations:
-        for k, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            nxt = next((j for j in range(k + 1, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
-            new = messages[k + 1 : nxt]
-            if not new:
-                continue
-            if _has_marker(r.tokenizer, family.template, messages[:nxt], tools):
-                counts["skipped"] += 1  # transformers would turn the marker into its id: parity tests cover these
-                continue
-            try:
-                prompt = family.reference_ids(messages[:k], tools, agp=True)
-                full = family.reference_ids(messages[: k + 1], tools)
-                expected = family.reference_ids(messages[:nxt], tools, agp=True)
-            except (jinja2.exceptions.TemplateError, TypeError):
-                counts["skipped"] += 1  # the template rejects a prefix (e.g. an empty history)
-                continue
-            completion = sampled_completion(r, prompt, full)
-            if completion is None:
-                counts["skipped"] += 1
-                continue
-            result = r.bridge(prompt, completion, new, tools)
-            stable = expected[: len(prompt) + len(completion)] == prompt + completion
-            if isinstance(result, Break):
-                assert result.reason in set(BreakReason), result
-                assert not stable or result.reason is not BreakReason.NO_SPECIAL_TOKEN_ANCHOR, result
-                counts["break"] += 1
-                continue
-            assert isinstance(result, Bridged)
-            assert result.token_ids[: result.prefix_len] == prompt + completion, "the bridge changed the prefix"
-            assert result.prefix_len == len(prompt) + len(completion)
-            assert len(result.appended) == len(result.token_ids) - result.prefix_len
-            if not stable:
-                counts["kept"] += 1
-                continue
-            assert result.token_ids == expected, _diff(r, result.token_ids, expected, f"{family.id} turn {k}")
-            assert all(0 <= i < len(new) or i == -1 for i in result.appended.message_indices)
-            assert not any(result.appended.sampled_mask), "appended tokens are never sampled"
-            counts["exact"] += 1
-            if completion[-1] == r.turn_close_id and len(completion) > 1:
-                cut = r.bridge(prompt, completion[:-1], new, tools)
-                assert isinstance(cut, Bridged), cut
-                assert cut.synthesized >= 1 and cut.token_ids == expected, _diff(r, cut.token_ids, expected, "truncated")
-                counts["truncated"] += 1
+    for case in bridge_cases(family, r, conversations, counts):
+        prompt, completion, new, expected = case.prompt, case.completion, case.new, case.expected
+        result = r.bridge(prompt, completion, new, case.tools)
+        if isinstance(result, Break):
+            assert result.reason in set(BreakReason), result
+            assert not case.stable or result.reason is not BreakReason.NO_SPECIAL_TOKEN_ANCHOR, result
+            counts["break"] += 1
+            continue
+        assert isinstance(result, Bridged)
+        assert result.token_ids[: result.prefix_len] == prompt + completion, "the bridge changed the prefix"
+        assert result.prefix_len == len(prompt) + len(completion)
+        assert len(result.appended) == len(result.token_ids) - result.prefix_len
+        if not case.stable:
+            counts["kept"] += 1
+            continue
+        assert result.token_ids == expected, _diff(r, result.token_ids, expected, f"{family.id} turn {case.k}")
+        assert all(0 <= i < len(new) or i == -1 for i in result.appended.message_indices)
+        assert not any(result.appended.sampled_mask), "appended tokens are never sampled"
+        counts["exact"] += 1
+        if completion[-1] == r.turn_close_id and len(completion) > 1:
+            cut = r.bridge(prompt, completion[:-1], new, case.tools)
+            assert isinstance(cut, Bridged), cut
+            assert cut.synthesized >= 1 and cut.token_ids == expected, _diff(r, cut.token_ids, expected, "truncated")
+            counts["truncated"] += 1
     assert counts["exact"] >= min_exact, f"[{family.id}] too few bridges compared exactly: {counts}"
     return counts
 
