@@ -142,6 +142,8 @@ class Renderer:
         if not msgs:
             raise MessageError("messages is empty")
         tool_defs = normalize_tools(tools)
+        if not template_kwargs:  # the common call: no per-call kwargs to check or swap in
+            return self._render_tokens(msgs, tool_defs, add_generation_prompt)
         with self._kwargs_for_call(self.check_template_kwargs(template_kwargs)):
             return self._render_tokens(msgs, tool_defs, add_generation_prompt)
 

@@ -30,6 +30,11 @@ class MessageError(ValueError):
     """A message or tool definition that tito cannot render; the text names the problem."""
 
 
+def _is_mapping(value: Any) -> bool:
+    # a plain dict first: isinstance against the Mapping ABC costs more than the rest of a message's checks
+    return value.__class__ is dict or isinstance(value, Mapping)
+
+
 def _text(value: Any, where: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
@@ -48,10 +53,10 @@ def _text(value: Any, where: str) -> str | None:
 
 
 def _tool_call(call: Any, where: str) -> dict:
-    if not isinstance(call, Mapping):
+    if not _is_mapping(call):
         raise MessageError(f"{where} must be an object, got {type(call).__name__}")
     function = call.get("function", call)
-    if not isinstance(function, Mapping):
+    if not _is_mapping(function):
         raise MessageError(f"{where}.function must be an object, got {type(function).__name__}")
     name = function.get("name")
     if not isinstance(name, str) or not name:
@@ -59,29 +64,33 @@ def _tool_call(call: Any, where: str) -> dict:
     arguments = function.get("arguments", {})
     if arguments is None:
         arguments = {}
-    if not isinstance(arguments, (str, Mapping)):
+    if _is_mapping(arguments):
+        arguments = dict(arguments)
+    elif not isinstance(arguments, str):
         raise MessageError(f"{where}.arguments must be an object or a JSON string, got {type(arguments).__name__}")
     out: dict[str, Any] = {}
-    if isinstance(call.get("id"), str):
-        out["id"] = call["id"]
+    call_id = call.get("id")
+    if isinstance(call_id, str):
+        out["id"] = call_id
     out["type"] = "function"
-    out["function"] = {"name": name, "arguments": dict(arguments) if isinstance(arguments, Mapping) else arguments}
+    out["function"] = {"name": name, "arguments": arguments}
     return out
 
 
 def normalize_message(message: Any, index: int = 0) -> dict:
     """One OpenAI chat message -> the dict a chat template sees (see the module docstring)."""
     where = f"message {index}"
-    if not isinstance(message, Mapping):
+    if not _is_mapping(message):
         raise MessageError(f"{where} must be an object, got {type(message).__name__}")
     role = message.get("role")
     if role not in ROLES:
         raise MessageError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
-    unknown = set(message) - _KNOWN_KEYS
-    if unknown:
-        raise MessageError(f"{where}: unknown field(s) {sorted(unknown)}")
+    if not message.keys() <= _KNOWN_KEYS:
+        raise MessageError(f"{where}: unknown field(s) {sorted(set(message) - _KNOWN_KEYS)}")
     out: dict[str, Any] = {"role": role}
-    content = _text(message.get("content"), f"{where}.content")
+    content = message.get("content")
+    if content.__class__ is not str:
+        content = _text(content, f"{where}.content")
     if content is not None:
         out["content"] = content
     elif role != "assistant":
@@ -100,7 +109,7 @@ def normalize_message(message: Any, index: int = 0) -> dict:
     if tool_calls is not None:
         if role != "assistant":
             raise MessageError(f"{where}: only assistant messages carry tool_calls, not {role}")
-        if not isinstance(tool_calls, Sequence) or isinstance(tool_calls, (str, bytes)):
+        if tool_calls.__class__ is not list and (not isinstance(tool_calls, Sequence) or isinstance(tool_calls, (str, bytes))):
             raise MessageError(f"{where}.tool_calls must be a list")
         if tool_calls:
             out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(tool_calls)]
@@ -116,7 +125,7 @@ def normalize_message(message: Any, index: int = 0) -> dict:
 
 def normalize_messages(messages: Any) -> list[dict]:
     """A list of OpenAI chat messages -> template dicts; raises :class:`MessageError` on bad input."""
-    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+    if messages.__class__ is not list and (isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence)):
         raise MessageError(f"messages must be a list of message objects, got {type(messages).__name__}")
     return [normalize_message(m, i) for i, m in enumerate(messages)]
 
@@ -125,12 +134,12 @@ def normalize_tools(tools: Any) -> list[dict] | None:
     """Tool definitions (OpenAI function schemas) as a list of dicts, or None when there are none."""
     if tools is None:
         return None
-    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+    if tools.__class__ is not list and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
         raise MessageError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
     for j, tool in enumerate(tools):
-        if not isinstance(tool, Mapping):
+        if not _is_mapping(tool):
             raise MessageError(f"tools[{j}] must be an object, got {type(tool).__name__}")
         function = tool.get("function", tool)
-        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        if not _is_mapping(function) or not isinstance(function.get("name"), str):
             raise MessageError(f"tools[{j}] has no function name")
     return [dict(t) for t in tools] or None

@@ -39,15 +39,20 @@ class Pieces:
     the number of runs before it.
     """
 
-    __slots__ = ("tok", "tok_key", "runs", "parts", "run_span", "sp_ids", "sp_msg", "sp_sampled", "sp_run",
-                 "span_end", "span_msg", "span_content", "span_sampled", "last", "pos")
+    __slots__ = ("tok", "tok_key", "added", "splits", "runs", "parts", "run_span", "run_template", "message_text",
+                 "sp_ids", "sp_msg", "sp_sampled", "sp_run", "span_end", "span_msg", "span_content", "span_sampled",
+                 "last", "pos")
 
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
         self.tok_key = tokenizer_key(tok)  # once per render: the caches are keyed by it
+        self.added = tok.added_tokens
+        self.splits = _splits_for(tok, self.tok_key)
         self.runs: list[str] = []  # finished runs
         self.parts: list[str] = []  # the current run's text
         self.run_span: list[int] = []  # the first span of each run
+        self.run_template: list[bool] = []  # each run is the template's own text only (no message text)
+        self.message_text = False  # the current run holds message text
         self.sp_ids: list[int] = []
         self.sp_msg: list[int] = []
         self.sp_sampled: list[bool] = []
@@ -60,11 +65,17 @@ class Pieces:
         self.pos = 0
 
     def special(self, token: str | int, message: int = -1, sampled: bool = False) -> None:
-        self._special(token if token.__class__ is int else self.tok.token_id(token), message, sampled)  # type: ignore[arg-type]
+        tid = token if token.__class__ is int else self.added.get(token)  # type: ignore[arg-type]
+        if tid is None:
+            tid = self.tok.token_id(token)  # type: ignore[arg-type]  # raises, naming the token
+        self._special(tid, message, sampled)  # type: ignore[arg-type]
 
     def scaffold(self, text: str, message: int = -1, sampled: bool = False) -> None:
         """Template text: added-token strings inside it become their ids, as in the reference."""
-        for part in _split_cached(self.tok, self.tok_key, text):
+        parts = self.splits.get(text)
+        if parts is None:
+            parts = _split(self.tok, self.splits, text)
+        for part in parts:
             if part.__class__ is int:
                 self._special(part, message, sampled)  # type: ignore[arg-type]
             else:
@@ -73,12 +84,12 @@ class Pieces:
     def text(self, text: str, message: int, sampled: bool = False, content: bool = True) -> None:
         """Text from a message: always ordinary text."""
         if text:
+            self.message_text = True
             self._text(text, message, content, sampled)
 
     def _special(self, tid: int, message: int, sampled: bool) -> None:
         if self.parts:
-            self.runs.append("".join(self.parts))
-            self.parts = []
+            self._end_run()
         self.last = None  # a span never crosses a special: runs are encoded apart
         self.sp_ids.append(tid)
         self.sp_msg.append(message)
@@ -102,10 +113,15 @@ class Pieces:
             self.span_content.append(content)
             self.span_sampled.append(sampled)
 
+    def _end_run(self) -> None:
+        self.runs.append("".join(self.parts))
+        self.parts = []
+        self.run_template.append(not self.message_text)
+        self.message_text = False
+
     def _finish(self) -> None:
         if self.parts:
-            self.runs.append("".join(self.parts))
-            self.parts = []
+            self._end_run()
             self.last = None
 
     @classmethod
@@ -116,12 +132,14 @@ class Pieces:
                 p._special(value, message, sampled)  # type: ignore[arg-type]
             else:  # an empty text too: a token over it counts its attribution (as _attribute does)
                 p._text(value, message, content, sampled)  # type: ignore[arg-type]
+        p._finish()
+        p.run_template = [False] * len(p.runs)  # which text is the template's own is not known here
         return p
 
     def encode(self) -> RenderedTokens:
         """Each run of text between special tokens encoded as a whole. Long renders go through the
         vectorised path (one fastokens call, attribution with numpy); short ones, and anything that path
-        declines, run by run (same result)."""
+        declines, run by run (same result: tests/test_pieces.py holds both to a reference)."""
         self._finish()
         if len(self.span_end) + len(self.sp_ids) >= _VECTOR_MIN_PIECES:
             fast = self.tok.fast_encoder
@@ -146,7 +164,9 @@ class Pieces:
 
 
 # At fewer pieces (a bridge: a handful; a 1-turn render: ~50) numpy's fixed cost per call outweighs the
-# per-token Python work it saves (measured on the Qwen3 bench).
+# per-token Python work it saves (measured on the Qwen3 bench). One fastokens call for a short render's
+# runs, attributed span by span in Python, measured slower in place than the run cache's path (0.85x at 1
+# tool turn, same process, interleaved rounds), so there is no third path.
 _VECTOR_MIN_PIECES = 80
 
 
@@ -155,12 +175,16 @@ def encode_pieces(tok: Tokenizer, items: list[Piece]) -> RenderedTokens:
     return Pieces.from_items(tok, items).encode()
 
 
-_SPLIT_CACHE: dict[tuple[int, str], list[str | int]] = {}
+# tokenizer key -> scaffold text -> its split on added tokens. The template's own strings: what a render
+# of never-seen content finds here is the compiled template, not an encoding of that content.
+_SPLITS: dict[int, dict[str, list[str | int]]] = {}
 _CACHE_LIMIT = 8192  # entries per cache; the run cache holds runs up to _RUN_CACHE_CHARS characters
 _RUN_CACHE_CHARS = 16384
 # run text -> (ids, token end offsets or None where not needed yet). Repeated runs are the common case in RL: a group of rollouts shares its
 # prompt, and system prompts and tool definitions repeat across tasks.
 _RUN_CACHE: dict[tuple[int, str], tuple[list[int], list[int] | None]] = {}
+# the same for runs of the template's own text only (no message text in them): kept with the splits
+_TEMPLATE_RUNS: dict[tuple[int, str], tuple[list[int], list[int] | None]] = {}
 # whole vectorised renders (Pieces.encode): at most this many, of at most this many tokens each (~18 bytes a token)
 _RENDER_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 _RENDER_CACHE_LIMIT = 128
@@ -181,22 +205,33 @@ def tokenizer_key(tok: Tokenizer) -> int:
     return key
 
 
-def clear_caches() -> None:
-    """Forget cached encodings (benchmarks use it to measure cold renders)."""
-    _SPLIT_CACHE.clear()
+def clear_caches(template: bool = False) -> None:
+    """Forget cached encodings of text (benchmarks use it to measure renders of never-seen content);
+    with ``template``, also what is cached of the template's own strings: their splits on added tokens
+    and the encodings of runs made of them only (transformers keeps its compiled template the same
+    way)."""
     _RUN_CACHE.clear()
     _RENDER_CACHE.clear()
+    if template:
+        _SPLITS.clear()
+        _TEMPLATE_RUNS.clear()
 
 
-def _split_cached(tok: Tokenizer, tok_key: int, text: str) -> list[str | int]:
-    key = (tok_key, text)
-    parts = _SPLIT_CACHE.get(key)
-    if parts is None:
-        parts = tok.split_added(text)
-        if len(_SPLIT_CACHE) >= _CACHE_LIMIT:
-            _SPLIT_CACHE.clear()
-        if len(text) < 512:
-            _SPLIT_CACHE[key] = parts
+def _splits_for(tok: Tokenizer, tok_key: int) -> dict[str, list[str | int]]:
+    splits = _SPLITS.get(tok_key)
+    if splits is None:
+        if len(_SPLITS) >= 64:  # tokenizers, not texts: a process holds a handful
+            _SPLITS.clear()
+        splits = _SPLITS[tok_key] = {}
+    return splits
+
+
+def _split(tok: Tokenizer, splits: dict[str, list[str | int]], text: str) -> list[str | int]:
+    parts = tok.split_added(text)
+    if len(splits) >= _CACHE_LIMIT:
+        splits.clear()
+    if len(text) < 512:
+        splits[text] = parts
     return parts
 
 
@@ -210,10 +245,11 @@ def _encode_runs(tok: Tokenizer, p: Pieces) -> RenderedTokens:
     encoded: dict[str, tuple[list[int], list[int] | None]] = {}  # this render's runs
     with_ends: list[str] = []
     ids_only: list[str] = []
+    template = p.run_template
     for r, text in enumerate(runs):
         if text in encoded:
             continue
-        hit = _RUN_CACHE.get((tid, text))
+        hit = (_TEMPLATE_RUNS if template[r] else _RUN_CACHE).get((tid, text))
         mixed = bounds[r + 1] - bounds[r] > 1
         if hit is not None and (hit[1] is not None or not mixed):
             encoded[text] = hit
@@ -224,14 +260,16 @@ def _encode_runs(tok: Tokenizer, p: Pieces) -> RenderedTokens:
             encoded[text] = ([], None)
             ids_only.append(text)
     if with_ends or ids_only:
-        if len(_RUN_CACHE) + len(with_ends) + len(ids_only) > _CACHE_LIMIT:
-            _RUN_CACHE.clear()
+        for cache in (_RUN_CACHE, _TEMPLATE_RUNS):
+            if len(cache) + len(with_ends) + len(ids_only) > _CACHE_LIMIT:
+                cache.clear()
+        from_template = {text for text, own in zip(runs, template, strict=True) if own}
         results = list(zip(with_ends, tok.encode_plain_batch(with_ends), strict=True))
         results += [(t, (run_ids, None)) for t, run_ids in zip(ids_only, tok.encode_plain_ids_batch(ids_only), strict=True)]
         for text, enc in results:
             encoded[text] = enc
             if len(text) <= _RUN_CACHE_CHARS:
-                _RUN_CACHE[(tid, text)] = enc
+                (_TEMPLATE_RUNS if text in from_template else _RUN_CACHE)[(tid, text)] = enc
     ids: list[int] = []
     msg: list[int] = []
     sampled: list[bool] = []
@@ -258,7 +296,7 @@ def _encode_runs(tok: Tokenizer, p: Pieces) -> RenderedTokens:
             if ends is None:  # mixed twice in this render, or cached ids of another render: needs ends
                 run_ids, ends = tok.encode_plain_with_ends(text)
                 if len(text) <= _RUN_CACHE_CHARS:
-                    _RUN_CACHE[(tid, text)] = (run_ids, ends)
+                    (_TEMPLATE_RUNS if template[r] else _RUN_CACHE)[(tid, text)] = (run_ids, ends)
             spans = []
             s = start
             for i in range(a, b):
@@ -281,9 +319,7 @@ def _encode_vectorised(fast, p: Pieces) -> tuple[np.ndarray, np.ndarray, np.ndar
     character end from byte lengths over the whole text at once, and its attribution from the span
     that holds it (``searchsorted``); a token over several spans is attributed as ``_attribute`` does.
     Returns None where the run-by-run path must decide: text fastokens refuses, NFC would change, or
-    whose byte lengths do not add up (it goes to the tokenizers library there), an unknown token, or a
-    zero-length token (one that completes a character split over tokens) on a span boundary, whose
-    owner depends on the token before it."""
+    whose byte lengths do not add up (it goes to the tokenizers library there), or an unknown token."""
     runs = p.runs
     whole = "".join(runs)
     ascii_text = whole.isascii()
@@ -304,10 +340,8 @@ def _encode_vectorised(fast, p: Pieces) -> tuple[np.ndarray, np.ndarray, np.ndar
         run_bytes = list(map(len, runs))
         char_ends = byte_cum[1:]
     else:
-        data = np.frombuffer(whole.encode("utf-8"), dtype=np.uint8)
         run_bytes = [len(t.encode("utf-8")) for t in runs]
-        # characters that start before each token's end byte: a token ending inside a character ends with it
-        char_ends = np.cumsum((data & 0xC0) != 0x80)[byte_cum[1:] - 1] if ids_np.size else byte_cum[1:]
+        char_ends = np.cumsum(fast.starts_np[ids_np])  # characters that start before each token's end byte
     run_cum = np.zeros(len(runs) + 1, dtype=np.int64)
     np.cumsum(run_bytes, out=run_cum[1:])
     if not np.array_equal(byte_cum[off], run_cum):
@@ -329,11 +363,11 @@ def _encode_vectorised(fast, p: Pieces) -> tuple[np.ndarray, np.ndarray, np.ndar
     msg = span_msg[j]
     content = span_content[j]
     sampled = span_sampled[j]
-    across = np.flatnonzero(j != js)
+    # a token over several spans; one that completes a character split over tokens (no character of its
+    # own: it starts where it ends, js > j) stays with the span of the character it completes
+    across = np.flatnonzero(js < j)
     if across.size:
         a, b = js[across], j[across]
-        if (a > b).any():
-            return None
         # a token over spans a..b (as _attribute): content if any of them is, owned by the first content
         # span (else by span a), sampled only if all of them are
         n_content = np.concatenate(([0], np.cumsum(span_content)))
@@ -371,7 +405,8 @@ def _attribute(run_ids, ends, run: list[Piece], ids, msg, content, sampled) -> N
     Token i covers characters [ends[i-1], ends[i]). Tokens inside one piece take its attributes in
     bulk; a token that spans pieces (BPE merged across a boundary) counts as content if any of its
     characters is content, belongs to the message of its first content character (else of its
-    first character), and is sampled only if all of its characters were.
+    first character), and is sampled only if all of its characters were. A token that completes a
+    character split over tokens covers no character of its own: it goes with the one it completes.
     """
     n = len(run_ids)
     ids.extend(run_ids)
@@ -381,8 +416,8 @@ def _attribute(run_ids, ends, run: list[Piece], ids, msg, content, sampled) -> N
     for j, piece in enumerate(run):
         start, end = pos, pos + len(piece[0])  # type: ignore[arg-type]
         pos = end
-        if t >= n or prev_end >= end:
-            continue  # an earlier spanning token covered this piece
+        if t >= n or (prev_end >= end and (ends[t] != end or start == end)):
+            continue  # an earlier spanning token covered this piece (but not what completes its last character)
         hi = bisect_right(ends, end, t)  # tokens t..hi-1 end inside this piece
         count = hi - t
         if count:

@@ -26,9 +26,12 @@ TOOLS_OUTRO = (
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 
+_JSON = json.JSONEncoder(ensure_ascii=False)  # what json.dumps(value, ensure_ascii=False) builds on each call
+
+
 def tojson(value) -> str:
     """transformers' ``tojson`` filter: ``json.dumps`` with ``ensure_ascii=False`` and default separators."""
-    return json.dumps(value, ensure_ascii=False)
+    return _JSON.encode(value)
 
 
 def _concat_content(m: dict, i: int, family: str) -> str:
