@@ -168,6 +168,9 @@ class Pieces:
 # runs, attributed span by span in Python, measured slower in place than the run cache's path (0.85x at 1
 # tool turn, same process, interleaved rounds), so there is no third path.
 _VECTOR_MIN_PIECES = 80
+# Up to this many characters the vectorised path encodes in this thread (FastEncoder.joined); beyond, the
+# thread pool of one fastokens batch call pays for its wake-up (crossover measured at ~17 Qwen3 tool turns)
+_JOINED_MAX_CHARS = 12000
 
 
 def encode_pieces(tok: Tokenizer, items: list[Piece]) -> RenderedTokens:
@@ -325,13 +328,16 @@ def _encode_vectorised(fast, p: Pieces) -> tuple[np.ndarray, np.ndarray, np.ndar
     ascii_text = whole.isascii()
     if fast.nfc and not ascii_text and not all(t.isascii() or unicodedata.is_normalized("NFC", t) for t in runs):
         return None
+    joined = len(whole) < _JOINED_MAX_CHARS
     try:
-        flat, offsets = fast.flat(runs)
-        ids_np = np.frombuffer(flat, dtype=np.uint32)
+        if joined:
+            ids_np = np.fromiter(fast.joined(runs), dtype=np.int64)
+        else:
+            flat, offsets = fast.flat(runs)
+            ids_np = np.frombuffer(flat, dtype=np.uint32)
         lengths = fast.lengths_np[ids_np]
     except (ValueError, IndexError):  # refused by fastokens, or an id beyond the vocabulary
         return None
-    off = np.frombuffer(offsets, dtype=np.uint64).astype(np.int64)
     if ids_np.size and int(lengths.min()) <= 0:
         return None  # an unknown token (or an empty one)
     byte_cum = np.zeros(ids_np.size + 1, dtype=np.int64)
@@ -344,8 +350,12 @@ def _encode_vectorised(fast, p: Pieces) -> tuple[np.ndarray, np.ndarray, np.ndar
         char_ends = np.cumsum(fast.starts_np[ids_np])  # characters that start before each token's end byte
     run_cum = np.zeros(len(runs) + 1, dtype=np.int64)
     np.cumsum(run_bytes, out=run_cum[1:])
+    if byte_cum[-1] != run_cum[-1]:
+        return None  # the ids' byte lengths do not add up to the text's
+    # where each run's tokens start: the token that starts at the run's first byte
+    off = np.searchsorted(byte_cum, run_cum) if joined else np.frombuffer(offsets, dtype=np.uint64).astype(np.int64)
     if not np.array_equal(byte_cum[off], run_cum):
-        return None  # a run's byte lengths do not add up to its text's
+        return None  # a token over two runs, or a run's byte lengths do not add up to its text's
     span_end = p.span_end
     nspans = len(span_end)
     # the span of every character (a zero-length span holds none), and a sentinel past the last

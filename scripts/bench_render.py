@@ -8,7 +8,9 @@ call, then a ~150-token tool result) on the Qwen3 tokenizer, then 10 tool turns 
 
 - reference: ``apply_chat_template(tokenize=True)``
 - tito render, cold: ``Renderer.render`` (ids + attribution) of never-seen content (every message's
-  text made unique per call), with tito's encoding caches emptied first
+  text made unique per call), with tito's caches of encoded text emptied first (``clear_caches()``:
+  what stays is the template's own strings, split on added tokens and encoded, as transformers keeps
+  its compiled template)
 - tito render, warm: the same conversation again (each rollout of a GRPO group renders the same prompt)
 - tito bridge: appending one never-seen ~150-token tool result to the history (flat in its length)
 - PyPI ``renderers==0.1.12`` (Qwen3 only): cold render and ``bridge_to_next_turn`` on the same kind of
@@ -304,8 +306,9 @@ def write_section(path: Path, table: str, repeats: int) -> None:
         f"{time.strftime('%Y-%m-%d')}; median of {repeats} rounds.  \n"
         "Reference: transformers `apply_chat_template(tokenize=True)`, and the PyPI `renderers==0.1.12` package "
         "(its own venv, in a subprocess; its ratio is to transformers timed in that process). Cold: every call "
-        "renders never-seen content (each message's text made unique) and tito's encoding caches are emptied "
-        "first; warm: the same conversation again. tito render returns ids plus per-token attribution; the "
+        "renders never-seen content (each message's text made unique) and tito's caches of encoded text are "
+        "emptied first (the template's own strings stay split and encoded, as transformers keeps its compiled "
+        "template); warm: the same conversation again. tito render returns ids plus per-token attribution; the "
         "bridge appends one never-seen ~150-token tool result and the generation prompt to the history.\n\n"
         f"{table}\n{end}"
     )
