@@ -11,15 +11,18 @@ import pytest
 from tito_renderers import pieces as P
 from tito_renderers.fast_encode import library_encode
 
-FIXTURES = ("qwen3-0.6b", "gemma-3-it", "llama-3.1-8b-instruct")
+from ._support import SMOLLM2
+
+FIXTURES = ("qwen3-0.6b", "gemma-3-it", "llama-3.1-8b-instruct", SMOLLM2)
 TEXTS = (
     "Hello", " world", ", it's", "\n", "\n\n", "  ", "\t", "def f(x):\n    return x", '{"query": "q0"}', " {", '"',
     "数据", "模型训练", "Привет", " мир", "تجربة", "🙂", "👍🏽", "👨‍👩‍👧", "\u0301", "ﬁ",
     "<|im_end|>", "<think>", "<0x41>", "aaaaaaaaaaaa", "1234", " 56", "...", "\r\n",
 )
-# text the fast paths hand to the tokenizers library: NFC would change it (an NFC vocabulary), or it holds
-# SentencePiece's space, whose byte length is not the text's
-DECLINED = ("e\u0301", "\u212b", "▁x")
+# text the fast paths hand to the tokenizers library: NFC would change it (an NFC vocabulary), it holds
+# SentencePiece's space, whose byte length is not the text's, or a byte fastokens has no token for
+# (SmolLM2's GGUF conversion)
+DECLINED = ("e\u0301", "\u212b", "▁x", "\x04")
 
 
 def _reference(tok, p: P.Pieces) -> tuple[list[int], list[int], list[bool], list[bool]]:
@@ -102,3 +105,17 @@ def test_every_encoding_path_attributes_as_the_reference(name, tokenizers, monke
         assert _lists(p.encode()) == want, f"Pieces.encode, case {case}"
     # the vectorised path declines only the rare DECLINED texts: most cases take it
     assert took > 200, took
+
+
+def test_text_fastokens_refuses_goes_to_the_library(tokenizers):
+    """SmolLM2's GGUF vocabulary has no token for byte 0x04: fastokens refuses the text, the vectorised
+    path declines the render and the run-by-run path encodes it with the tokenizers library."""
+    tok = tokenizers.get(SMOLLM2).ours
+    p = P.Pieces(tok)
+    for k in range(50):  # enough pieces for the vectorised path
+        p.special("<|im_start|>", k)
+        p.text(f"turn {k} \x04 of 50" if k == 7 else f"turn {k}", k, sampled=k % 2 == 1)
+    p._finish()
+    assert P._encode_vectorised(tok.fast_encoder, p) is None
+    P.clear_caches()
+    assert _lists(p.encode()) == _reference(tok, p)
