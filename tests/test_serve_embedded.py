@@ -23,7 +23,7 @@ import ray  # noqa: E402
 
 from rollout.config import ServeConfig, load_config  # noqa: E402
 
-from ._support import SMOLLM2, cached_venv, reference, smollm2_gguf  # noqa: E402
+from ._support import SMOLLM2, cached_venv, http_call, reference, smollm2_gguf  # noqa: E402
 
 RENDERERS_PYPI = "0.1.12"
 # openai 3.x depends on httpx2, while renderers 0.1.12's client imports httpx (undeclared): pin openai 2.x
@@ -51,13 +51,7 @@ def server(tmp_path_factory):
 
 
 def post(srv, path, body, headers=None, timeout=120):
-    req = urllib.request.Request(srv.url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return http_call(srv.url + path, "POST", body, headers, timeout=timeout)
 
 
 def get(srv, path):

@@ -9,16 +9,13 @@ Qwen2.5 tokenizer fixture and a real RendererService writing real Arrow shards.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from ._support import ours, tokenizer_dir
+from ._support import http_call, ours, tokenizer_dir
 
 QWEN = "qwen2.5-7b-instruct"
 VOCAB = 151665
@@ -50,14 +47,7 @@ def server(tmp_path_factory):
 
 
 def call(srv, method: str, path: str, body=None, headers=None, raw: bytes | None = None, timeout=60):
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(srv.url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return http_call(srv.url + path, method, body, headers, raw, timeout)
 
 
 def still_serving(srv) -> None:
