@@ -174,9 +174,9 @@ class FastEncoder:
 
     def joined(self, texts: list[str]) -> list[int]:
         """The ids of :meth:`flat`, all texts' concatenated, from one call that encodes them in this
-        thread. ``encode_batch_flat`` hands a batch to a thread pool: waking it measured ~60 us a call
-        here (2 busy cores), more than encoding a 10-turn render's runs takes; the caller finds where
-        each text's ids end from their byte lengths."""
+        thread. ``encode_batch_flat`` hands a batch to a thread pool: waking it cost 10-60 us a call
+        here (2 busy cores; it varies with load, scripts/bench_render_stages.py), as much as encoding a
+        10-turn render's runs takes; the caller finds where each text's ids end from their byte lengths."""
         return self._fast.encode_segments([(text, False) for text in texts]).ids
 
     @classmethod

@@ -1,0 +1,82 @@
+"""Where a cold render's time goes, stage by stage, timed in place on bench_render.py's Qwen3 conversations.
+
+    .venv/bin/python scripts/bench_render_stages.py [--fixtures DIR] [--renders 1500]
+
+For 1 and 10 tool turns (code and multilingual tool results), every render on never-seen content with
+the encoding caches of message text emptied first, it prints the mean us of: message normalisation,
+building the pieces (the renderer's Python), ``Pieces.encode`` (fastokens, attribution and the four
+lists), and fastokens alone on the same runs right after (a lower bound: its word cache is warm). It also times the two ways of calling fastokens on
+one render's runs, in place, alternating their order: one batch call (``encode_batch_flat``, a thread
+pool) and one call in this thread (``encode_segments``). Means of in-place timings are what this
+answers; ratios between rows of one run are the figures to read on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench_render as bench  # noqa: E402
+
+import tito_renderers as renderers  # noqa: E402
+from tito_renderers.messages import normalize_messages, normalize_tools  # noqa: E402
+from tito_renderers.pieces import Pieces, clear_caches  # noqa: E402
+
+
+def stages(r, tok, msgs: list[dict], renders: int) -> dict[str, float]:
+    fast = tok.fast_encoder
+    total = dict.fromkeys(("normalise", "pieces", "encode", "fastokens alone", "batch call", "this thread"), 0.0)
+    clock = time.perf_counter
+    for i in range(renders):
+        clear_caches()
+        m = bench.unique(msgs, f"stages{i}")
+        t0 = clock()
+        normalized, tools = normalize_messages(m), normalize_tools(bench.TOOLS)
+        t1 = clock()
+        p = Pieces(tok)
+        r._render(p, normalized, tools, False)
+        p._finish()
+        t2 = clock()
+        p.encode()
+        t3 = clock()
+        clear_caches()
+        fast.joined(p.runs)  # the same runs once more: what the encoder alone costs (its word cache warm)
+        t4 = clock()
+        total["normalise"] += t1 - t0
+        total["pieces"] += t2 - t1
+        total["encode"] += t3 - t2
+        total["fastokens alone"] += t4 - t3
+        r.render(bench.unique(msgs, f"between{i}"), bench.TOOLS)  # other work between the two calls, as in use
+        calls = (("batch call", fast.flat), ("this thread", fast.joined))
+        for name, call in calls if i % 2 else calls[::-1]:
+            t0 = clock()
+            call(p.runs)
+            total[name] += clock() - t0
+    return {k: v / renders * 1e6 for k, v in total.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fixtures", default=os.environ.get("TITO_FIXTURES", REPO.parent / "shared" / "fixtures"))
+    ap.add_argument("--renders", type=int, default=1500)
+    args = ap.parse_args()
+    tok = renderers.load_tokenizer(Path(args.fixtures) / "tokenizers" / "qwen3-0.6b")
+    r = renderers.create_renderer(tok)
+    for style in ("code", "multilingual"):
+        for turns in (1, 10):
+            msgs = bench.conversation(turns, tok, style)
+            for i in range(50):  # warm up
+                r.render(bench.unique(msgs, f"warm{i}"), bench.TOOLS)
+            row = stages(r, tok, msgs, args.renders)
+            print(f"{style:12s} {turns:2d} turns: " + ", ".join(f"{k} {v:.0f} us" for k, v in row.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
