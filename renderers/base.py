@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from .long_pieces import new_pieces
 from .messages import MessageError, normalize_messages, normalize_tools
 from .pieces import Pieces
 from .scan import prompt_opens_reasoning, scan_ids
@@ -149,7 +150,7 @@ class Renderer:
 
     def _render_tokens(self, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> RenderedTokens:
         """Normalized messages to tokens; hand-coded families go through pieces."""
-        p = Pieces(self.tokenizer)
+        p = new_pieces(self.tokenizer, len(msgs))
         self._render(p, msgs, tools, add_generation_prompt)
         return p.encode()
 

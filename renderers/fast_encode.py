@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import unicodedata
 from itertools import accumulate
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -127,6 +128,10 @@ def _byte_lengths(config: dict, kind: str) -> tuple[np.ndarray, np.ndarray, int 
     return lengths, starts, unk_id
 
 
+# below this many tokens a run's end offsets are all computed (a walk from both ends saves nothing)
+_EXACT_BELOW = 24
+
+
 def library_encode(plain: BackendTokenizer, text: str) -> tuple[list[int], list[int]]:
     """The tokenizers library's ids and token end offsets (the reference)."""
     enc = plain.encode(text, add_special_tokens=False)
@@ -142,11 +147,17 @@ class FastEncoder:
         self._plain = plain
         self._fast = fastokens.Tokenizer.from_json_str(source)
         self._nfc = any(s.get("type") == "NFC" for s in _steps(config.get("normalizer")))
+        self._byte_level = kind == "byte_level"
         lengths, starts, self._unk = _byte_lengths(config, kind)
         self._lengths_np = lengths
         self._lengths = lengths.tolist()
         self._starts_np = starts
         self._starts = starts.tolist()
+
+    @property
+    def plain(self) -> BackendTokenizer:
+        """The tokenizers library's plain backend this encoder stands for (the fallback)."""
+        return self._plain
 
     @property
     def nfc(self) -> bool:
@@ -218,10 +229,72 @@ class FastEncoder:
         except ValueError:  # a byte the vocabulary has no token for
             return self._plain.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
-        """One call per text: a render's runs are short, and fastokens' batch call hands them to a thread
-        pool whose wake-up costs more than encoding them here (measured on 2 busy cores)."""
-        return [self.encode(text) for text in texts]
+    def ends_at(self, ids: list[int], text: str, span_ends: list[int]) -> list[int] | None:
+        """End offsets of ``text``'s tokens ``ids`` (fastokens' own, from :meth:`try_ids`) good for
+        attributing them to spans that end at ``span_ends`` (characters, increasing, the last one
+        ``len(text)``), or None where the ids' byte lengths do not add up to the text's (the tokenizers
+        library must encode it).
+
+        Exact for every token that ends in a span other than the longest one, or crosses into or out of
+        it. In a long run, the tokens wholly inside its longest span (a message's text between two
+        scaffold strings) all get one value strictly inside that span instead: every ``bisect`` on the
+        other spans' ends stays exact, and no Python runs per token there. A byte-level vocabulary's
+        ids from fastokens are a segmentation of the text's bytes, so a long run's ends are found from
+        both ends of it; a SentencePiece vocabulary's are checked against the text's length first (its
+        ``▁`` stands for a space: text holding ``▁`` itself does not add up)."""
+        n = len(ids)
+        if not n:
+            return [] if not text else None
+        if self._unk is not None and self._unk in ids:
+            return None  # the unknown token's length is not its text's
+        ascii_text = text.isascii()
+        table = self._lengths if ascii_text else self._starts  # characters per token (see starts_np)
+        total = len(text)
+        exact = n < _EXACT_BELOW or len(span_ends) < 2
+        if exact or not self._byte_level:
+            get = itemgetter(*ids) if n > 1 else None  # one C call for every id's count
+            per: tuple[int, ...] = get(table) if get else (table[ids[0]],)
+            if not ascii_text and (sum(get(self._lengths)) if get else self._lengths[ids[0]]) != len(text.encode("utf-8")):
+                return None
+            if exact:
+                ends = list(accumulate(per))
+                return ends if ends[-1] == total else None
+            if sum(per) != total:
+                return None
+        longest, start_l, end_l, prev = 0, 0, 0, 0
+        for end in span_ends:
+            if end - prev > longest:
+                longest, start_l, end_l = end - prev, prev, end
+            prev = end
+        ends = [0] * n
+        f, cum = 0, 0  # exact from the front, through the first token that ends past the longest span's start
+        while f < n:
+            cum += table[ids[f]]
+            ends[f] = cum
+            f += 1
+            if cum > start_l:
+                break
+        g, cum = n - 1, total  # exact from the back, down to the last token that ends at or past its end
+        while g >= f and cum >= end_l:
+            ends[g] = cum
+            cum -= table[ids[g]]
+            g -= 1
+        if g >= f:  # tokens f..g end strictly inside the longest span
+            fill = ends[f - 1]
+            if not start_l < fill < end_l:  # ids that do not segment the text: the library decides
+                return None
+            ends[f : g + 1] = [fill] * (g + 1 - f)
+        return ends
+
+    def try_ids(self, text: str) -> list[int] | None:
+        """fastokens' ids for ``text``, or None where the tokenizers library must encode it: NFC would
+        change the text (an NFC vocabulary), or fastokens refuses it (a byte with no token)."""
+        if self._nfc and not text.isascii() and not unicodedata.is_normalized("NFC", text):
+            return None
+        try:
+            return self._fast.encode(text).ids
+        except ValueError:
+            return None
 
     def _ends(self, text: str, ids: list[int]) -> tuple[list[int], list[int]]:
         if self._unk is not None and self._unk in ids:

@@ -50,8 +50,9 @@ from .base import THINKING_RETENTION, Renderer, TemplateRejected
 from .dialects import dialect_for
 from .full_bridge import Conversations
 from .generic_bridge import GenericBridge
+from .long_pieces import encode_pieces
 from .messages import MessageError, normalize_messages, normalize_tools
-from .pieces import Piece, encode_pieces
+from .pieces import Piece
 from .probe import Probe, probe_template
 from .template_env import compile_template, defused_template
 from .tokenizer import Tokenizer

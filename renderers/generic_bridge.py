@@ -13,8 +13,8 @@ from typing import Any
 
 from .base import TemplateRejected, bridged
 from .full_bridge import assistant_message, full_bridge
+from .long_pieces import encode_pieces
 from .messages import MessageError, normalize_messages
-from .pieces import encode_pieces
 from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, closers, splice_point
 from .types import Break, BreakReason, Bridged
 

@@ -1,6 +1,6 @@
 """Pieces: what a hand-coded renderer emits, and how pieces become exactly the reference's token ids.
 
-A renderer describes a conversation as a flat list of pieces: special tokens, scaffold text (the
+A renderer describes a conversation as a sequence of pieces: special tokens, scaffold text (the
 template's own strings) and message text, each tagged with the message it belongs to, whether it is
 message content and whether the model would have sampled it.
 
@@ -11,58 +11,47 @@ reproduces the reference exactly, however many pieces the run was built from; at
 run comes from the encoder's character offsets. Scaffold text is split on added-token strings (the
 template's ``<tool_call>`` in a tool preamble is the added token, as in the reference); message text
 never is, so a message quoting ``<|im_end|>`` stays ordinary text.
+
+Two implementations of one interface (``special``, ``scaffold``, ``text``, ``encode``), held to the
+same independent reference by tests/test_pieces.py: :class:`Pieces` encodes each run as soon as a
+special token ends it (what short renders and bridges want), and
+:class:`~tito_renderers.long_pieces.LongPieces` collects a long render and encodes it in one fastokens
+call with numpy attribution. :func:`~tito_renderers.long_pieces.new_pieces` picks one by the number of messages.
 """
 
 from __future__ import annotations
 
 import itertools
-import unicodedata
 import weakref
 from bisect import bisect_right
 
 import numpy as np
 
+from .fast_encode import library_encode
 from .tokenizer import Tokenizer
 from .types import RenderedTokens
 
 # A piece: (text or token id, message index, is content, sampled)
 Piece = tuple[str | int, int, bool, bool]
+# A scaffold string split on added tokens: the text before its first added token (joins the current
+# run), the tokens from its first added token through its last one (None if it has none; one id, or a
+# tuple of the added tokens and the ids of the text between them, which are whole runs) and the text
+# after the last one (starts a run).
+Split = tuple[str, "int | tuple[int, ...] | None", str]
 
 
-class Pieces:
-    """An append-only list of pieces bound to a tokenizer.
+class _Emitter:
+    """The renderer-facing half of both implementations: a subclass says what a special token, a block
+    of the template's own tokens and a piece of text do."""
 
-    Pieces are not kept one by one: each call adds straight to what encoding needs, so that encoding
-    never walks the pieces again. Text goes into the current run (the text between two special
-    tokens); adjacent text of one run with the same attribution is one "span" (a token inside it gets
-    that attribution whichever piece its characters came from). Specials are kept apart, each with
-    the number of runs before it.
-    """
-
-    __slots__ = ("tok", "tok_key", "added", "splits", "runs", "parts", "run_span", "run_template", "message_text",
-                 "sp_ids", "sp_msg", "sp_sampled", "sp_run", "span_end", "span_msg", "span_content", "span_sampled",
-                 "last", "pos")
+    __slots__ = ("tok", "tok_key", "added", "splits", "message_text")
 
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
         self.tok_key = tokenizer_key(tok)  # once per render: the caches are keyed by it
         self.added = tok.added_tokens
         self.splits = _splits_for(tok, self.tok_key)
-        self.runs: list[str] = []  # finished runs
-        self.parts: list[str] = []  # the current run's text
-        self.run_span: list[int] = []  # the first span of each run
-        self.run_template: list[bool] = []  # each run is the template's own text only (no message text)
         self.message_text = False  # the current run holds message text
-        self.sp_ids: list[int] = []
-        self.sp_msg: list[int] = []
-        self.sp_sampled: list[bool] = []
-        self.sp_run: list[int] = []  # runs before each special
-        self.span_end: list[int] = []  # character end of each span, in all runs' text concatenated
-        self.span_msg: list[int] = []
-        self.span_content: list[bool] = []
-        self.span_sampled: list[bool] = []
-        self.last: tuple[int, bool, bool] | None = None  # the last span's attribution
-        self.pos = 0
 
     def special(self, token: str | int, message: int = -1, sampled: bool = False) -> None:
         tid = token if token.__class__ is int else self.added.get(token)  # type: ignore[arg-type]
@@ -71,15 +60,22 @@ class Pieces:
         self._special(tid, message, sampled)  # type: ignore[arg-type]
 
     def scaffold(self, text: str, message: int = -1, sampled: bool = False) -> None:
-        """Template text: added-token strings inside it become their ids, as in the reference."""
-        parts = self.splits.get(text)
-        if parts is None:
-            parts = _split(self.tok, self.splits, text)
-        for part in parts:
-            if part.__class__ is int:
-                self._special(part, message, sampled)  # type: ignore[arg-type]
+        """Template text: added-token strings inside it become their ids, as in the reference. Writing
+        a turn's fixed tokens as one scaffold string (``"<|im_end|>\\n<|im_start|>user\\n"``) is the
+        cheap way to emit them: its split, with the ids of the runs inside it, is computed once."""
+        split = self.splits.get(text)
+        if split is None:
+            split = _split(self.tok, self.splits, text)
+        lead, block, trail = split
+        if lead:
+            self._text(lead, message, False, sampled)
+        if block is not None:
+            if block.__class__ is int:
+                self._special(block, message, sampled)  # type: ignore[arg-type]
             else:
-                self._text(part, message, False, sampled)  # type: ignore[arg-type]
+                self._block(block, message, sampled)  # type: ignore[arg-type]
+            if trail:
+                self._text(trail, message, False, sampled)
 
     def text(self, text: str, message: int, sampled: bool = False, content: bool = True) -> None:
         """Text from a message: always ordinary text."""
@@ -88,107 +84,126 @@ class Pieces:
             self._text(text, message, content, sampled)
 
     def _special(self, tid: int, message: int, sampled: bool) -> None:
-        if self.parts:
-            self._end_run()
-        self.last = None  # a span never crosses a special: runs are encoded apart
-        self.sp_ids.append(tid)
-        self.sp_msg.append(message)
-        self.sp_sampled.append(sampled)
-        self.sp_run.append(len(self.runs))
+        raise NotImplementedError
+
+    def _block(self, ids: tuple[int, ...], message: int, sampled: bool) -> None:
+        raise NotImplementedError
 
     def _text(self, text: str, message: int, content: bool, sampled: bool) -> None:
-        # called once per piece of every render: locals, no attribute looked up twice
-        parts = self.parts
-        if not parts:
-            self.run_span.append(len(self.span_end))
-        parts.append(text)
+        raise NotImplementedError
+
+
+class Pieces(_Emitter):
+    """Pieces encoded run by run, as they come: a special token ends the current run, which is encoded
+    (or found in the run cache) and attributed straight into the four output lists. Only the current
+    run's text and its spans (adjacent text with one attribution) are kept."""
+
+    __slots__ = ("fast", "ids", "msg", "sampled", "content", "parts", "ends", "attrs", "last", "pos")
+
+    def __init__(self, tok: Tokenizer) -> None:
+        super().__init__(tok)
+        self.fast = tok.fast_encoder
+        self.ids: list[int] = []
+        self.msg: list[int] = []
+        self.sampled: list[bool] = []
+        self.content: list[bool] = []
+        self.parts: list[str] = []  # the current run's text
+        self.ends: list[int] = []  # the end of each of its spans, from the run's start
+        self.attrs: list[tuple[int, bool, bool]] = []  # (message, content, sampled) of each span
+        self.last: tuple[int, bool, bool] | None = None
+        self.pos = 0
+
+    def _special(self, tid: int, message: int, sampled: bool) -> None:
+        if self.parts:
+            self._flush()
+        self.ids.append(tid)
+        self.msg.append(message)
+        self.sampled.append(sampled)
+        self.content.append(False)
+
+    def _block(self, ids: tuple[int, ...], message: int, sampled: bool) -> None:
+        if self.parts:
+            self._flush()
+        n = len(ids)
+        self.ids += ids
+        self.msg += [message] * n
+        self.sampled += [sampled] * n
+        self.content += [False] * n
+
+    def _text(self, text: str, message: int, content: bool, sampled: bool) -> None:
+        # once per piece of every render: no attribute looked up twice
+        self.parts.append(text)
         pos = self.pos = self.pos + len(text)
         attr = (message, content, sampled)
         if attr == self.last:
-            self.span_end[-1] = pos
+            self.ends[-1] = pos
         else:
             self.last = attr
-            self.span_end.append(pos)
-            self.span_msg.append(message)
-            self.span_content.append(content)
-            self.span_sampled.append(sampled)
+            self.ends.append(pos)
+            self.attrs.append(attr)
 
-    def _end_run(self) -> None:
-        self.runs.append("".join(self.parts))
+    def _flush(self) -> None:
+        """Encode the current run and attribute its tokens."""
+        parts = self.parts
+        text = parts[0] if len(parts) == 1 else "".join(parts)
+        cache = _RUN_CACHE if self.message_text else _TEMPLATE_RUNS
+        key = (self.tok_key, text)
+        hit = cache.get(key)
+        attrs = self.attrs
+        if hit is None:
+            fast = self.fast
+            run_ids = fast.try_ids(text) if fast is not None else None
+            if run_ids is None:  # no fastokens here, or not for this text: the library's ids and offsets
+                hit = self.tok.encode_plain_with_ends(text) if fast is None else library_encode(fast.plain, text)
+                run_ids = hit[0]
+            else:  # an entry without ends holds fastokens' own ids (FastEncoder.ends_at relies on it)
+                hit = (run_ids, None)
+            _remember(cache, key, hit)
+        else:
+            run_ids = hit[0]
+        if len(attrs) == 1:  # one attribution (most runs): the ids are enough
+            n = len(run_ids)
+            message, content, sampled = attrs[0]
+            self.ids += run_ids
+            self.msg += [message] * n
+            self.content += [content] * n
+            self.sampled += [sampled] * n
+        else:
+            ends = hit[1]
+            if ends is None:
+                ends = self.fast.ends_at(run_ids, text, self.ends)  # type: ignore[union-attr]
+                if ends is None:  # the byte lengths do not add up: the library's ids and offsets
+                    hit = library_encode(self.fast.plain, text)  # type: ignore[union-attr]
+                    _remember(cache, key, hit)
+                    run_ids, ends = hit
+            self.ids += run_ids
+            _attribute(run_ids, ends, self.ends, attrs, self.msg, self.content, self.sampled)
         self.parts = []
-        self.run_template.append(not self.message_text)
+        self.ends = []
+        self.attrs = []
+        self.last = None
+        self.pos = 0
         self.message_text = False
 
-    def _finish(self) -> None:
-        if self.parts:
-            self._end_run()
-            self.last = None
-
-    @classmethod
-    def from_items(cls, tok: Tokenizer, items: list[Piece]) -> Pieces:
-        p = cls(tok)
-        for value, message, content, sampled in items:
-            if value.__class__ is int:
-                p._special(value, message, sampled)  # type: ignore[arg-type]
-            else:  # an empty text too: a token over it counts its attribution (as _attribute does)
-                p._text(value, message, content, sampled)  # type: ignore[arg-type]
-        p._finish()
-        p.run_template = [False] * len(p.runs)  # which text is the template's own is not known here
-        return p
-
     def encode(self) -> RenderedTokens:
-        """Each run of text between special tokens encoded as a whole. Long renders go through the
-        vectorised path (one fastokens call, attribution with numpy); short ones, and anything that path
-        declines, run by run (same result: tests/test_pieces.py holds both to a reference)."""
-        self._finish()
-        if len(self.span_end) + len(self.sp_ids) >= _VECTOR_MIN_PIECES:
-            fast = self.tok.fast_encoder
-            if fast is not None:
-                # the whole render's result by everything it depends on: a group of rollouts renders
-                # one prompt several times (the run cache does this for the run-by-run path)
-                key = (self.tok_key, tuple(self.runs), tuple(self.sp_ids), tuple(self.sp_msg), tuple(self.sp_sampled),
-                       tuple(self.sp_run), tuple(self.span_end), tuple(self.span_msg), tuple(self.span_content),
-                       tuple(self.span_sampled))
-                out = _RENDER_CACHE.get(key)
-                if out is None:
-                    out = _encode_vectorised(fast, self)
-                    if out is not None and out[0].size <= _RENDER_CACHE_TOKENS:
-                        if len(_RENDER_CACHE) >= _RENDER_CACHE_LIMIT:
-                            _RENDER_CACHE.clear()
-                        _RENDER_CACHE[key] = out  # arrays no caller sees: each call gets its own lists
-                if out is not None:
-                    ids, msg, sampled, content = out
-                    return RenderedTokens(token_ids=ids.tolist(), message_indices=msg.tolist(),
-                                          sampled_mask=sampled.tolist(), is_content=content.tolist())
-        return _encode_runs(self.tok, self)
+        if self.parts:
+            self._flush()
+        return RenderedTokens(token_ids=self.ids, message_indices=self.msg, sampled_mask=self.sampled, is_content=self.content)
 
 
-# At fewer pieces (a bridge: a handful; a 1-turn render: ~50) numpy's fixed cost per call outweighs the
-# per-token Python work it saves (measured on the Qwen3 bench). One fastokens call for a short render's
-# runs, attributed span by span in Python, measured slower in place than the run cache's path (0.85x at 1
-# tool turn, same process, interleaved rounds), so there is no third path.
-_VECTOR_MIN_PIECES = 80
-# Up to this many characters the vectorised path encodes in this thread (FastEncoder.joined); beyond, the
-# thread pool of one fastokens batch call pays for its wake-up (crossover measured at ~17 Qwen3 tool turns)
-_JOINED_MAX_CHARS = 12000
-
-
-def encode_pieces(tok: Tokenizer, items: list[Piece]) -> RenderedTokens:
-    """Encode a list of pieces (the generic renderer builds its own)."""
-    return Pieces.from_items(tok, items).encode()
-
-
-# tokenizer key -> scaffold text -> its split on added tokens. The template's own strings: what a render
-# of never-seen content finds here is the compiled template, not an encoding of that content.
-_SPLITS: dict[int, dict[str, list[str | int]]] = {}
+# tokenizer key -> scaffold text -> its Split. The template's own strings: what a render of never-seen
+# content finds here is the compiled template, not an encoding of that content.
+_SPLITS: dict[int, dict[str, Split]] = {}
 _CACHE_LIMIT = 8192  # entries per cache; the run cache holds runs up to _RUN_CACHE_CHARS characters
 _RUN_CACHE_CHARS = 16384
-# run text -> (ids, token end offsets or None where not needed yet). Repeated runs are the common case in RL: a group of rollouts shares its
-# prompt, and system prompts and tool definitions repeat across tasks.
+# run text -> (ids, token end offsets or None where they are recomputed from the ids). Repeated runs are
+# the common case in RL: a group of rollouts shares its prompt, and system prompts and tool definitions
+# repeat across tasks.
 _RUN_CACHE: dict[tuple[int, str], tuple[list[int], list[int] | None]] = {}
 # the same for runs of the template's own text only (no message text in them): kept with the splits
 _TEMPLATE_RUNS: dict[tuple[int, str], tuple[list[int], list[int] | None]] = {}
-# whole vectorised renders (Pieces.encode): at most this many, of at most this many tokens each (~18 bytes a token)
+# whole long renders (long_pieces.LongPieces): at most this many, of at most this many tokens each (~18
+# bytes a token). A group of rollouts renders one prompt several times.
 _RENDER_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 _RENDER_CACHE_LIMIT = 128
 _RENDER_CACHE_TOKENS = 32768
@@ -220,7 +235,14 @@ def clear_caches(template: bool = False) -> None:
         _TEMPLATE_RUNS.clear()
 
 
-def _splits_for(tok: Tokenizer, tok_key: int) -> dict[str, list[str | int]]:
+def _remember(cache: dict, key: tuple[int, str], value: tuple[list[int], list[int] | None]) -> None:
+    if len(key[1]) <= _RUN_CACHE_CHARS:
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[key] = value
+
+
+def _splits_for(tok: Tokenizer, tok_key: int) -> dict[str, Split]:
     splits = _SPLITS.get(tok_key)
     if splits is None:
         if len(_SPLITS) >= 64:  # tokenizers, not texts: a process holds a handful
@@ -229,226 +251,74 @@ def _splits_for(tok: Tokenizer, tok_key: int) -> dict[str, list[str | int]]:
     return splits
 
 
-def _split(tok: Tokenizer, splits: dict[str, list[str | int]], text: str) -> list[str | int]:
+def _split(tok: Tokenizer, splits: dict[str, Split], text: str) -> Split:
     parts = tok.split_added(text)
+    at = [k for k, part in enumerate(parts) if part.__class__ is int]
+    if not at:
+        split: Split = (text, None, "")
+    else:
+        first, last = at[0], at[-1]
+        lead = "".join(parts[:first])  # type: ignore[arg-type]
+        trail = "".join(parts[last + 1 :])  # type: ignore[arg-type]
+        if first == last:
+            split = (lead, parts[first], trail)  # type: ignore[assignment]
+        else:  # the text between two added tokens is a whole run: encoded here, once
+            block: list[int] = []
+            for part in parts[first : last + 1]:
+                if part.__class__ is int:
+                    block.append(part)  # type: ignore[arg-type]
+                else:
+                    block += tok.encode_plain_ids(part)  # type: ignore[arg-type]
+            split = (lead, tuple(block), trail)
     if len(splits) >= _CACHE_LIMIT:
         splits.clear()
     if len(text) < 512:
-        splits[text] = parts
-    return parts
+        splits[text] = split
+    return split
 
 
-def _encode_runs(tok: Tokenizer, p: Pieces) -> RenderedTokens:
-    """Run by run: the ids of one-span runs (most of them) without end offsets, in bulk; runs of several
-    spans with end offsets, attributed by ``_attribute``. Uncached runs are encoded in one batch call."""
-    runs = p.runs
-    nspans = len(p.span_end)
-    bounds = [*p.run_span, nspans]
-    tid = p.tok_key
-    encoded: dict[str, tuple[list[int], list[int] | None]] = {}  # this render's runs
-    with_ends: list[str] = []
-    ids_only: list[str] = []
-    template = p.run_template
-    for r, text in enumerate(runs):
-        if text in encoded:
-            continue
-        hit = (_TEMPLATE_RUNS if template[r] else _RUN_CACHE).get((tid, text))
-        mixed = bounds[r + 1] - bounds[r] > 1
-        if hit is not None and (hit[1] is not None or not mixed):
-            encoded[text] = hit
-        elif mixed:
-            encoded[text] = hit or ([], None)  # placeholder, so that a repeated run is encoded once
-            with_ends.append(text)
-        else:
-            encoded[text] = ([], None)
-            ids_only.append(text)
-    if with_ends or ids_only:
-        for cache in (_RUN_CACHE, _TEMPLATE_RUNS):
-            if len(cache) + len(with_ends) + len(ids_only) > _CACHE_LIMIT:
-                cache.clear()
-        from_template = {text for text, own in zip(runs, template, strict=True) if own}
-        results = list(zip(with_ends, tok.encode_plain_batch(with_ends), strict=True))
-        results += [(t, (run_ids, None)) for t, run_ids in zip(ids_only, tok.encode_plain_ids_batch(ids_only), strict=True)]
-        for text, enc in results:
-            encoded[text] = enc
-            if len(text) <= _RUN_CACHE_CHARS:
-                (_TEMPLATE_RUNS if text in from_template else _RUN_CACHE)[(tid, text)] = enc
-    ids: list[int] = []
-    msg: list[int] = []
-    sampled: list[bool] = []
-    content: list[bool] = []
-    sp_ids, sp_run = p.sp_ids, p.sp_run
-    k, nsp = 0, len(sp_ids)
-    start = 0  # the run's first character, in the concatenated runs
-    for r, text in enumerate(runs):
-        while k < nsp and sp_run[k] <= r:
-            ids.append(sp_ids[k])
-            msg.append(p.sp_msg[k])
-            content.append(False)
-            sampled.append(p.sp_sampled[k])
-            k += 1
-        run_ids, ends = encoded[text]
-        a, b = bounds[r], bounds[r + 1]
-        if b - a == 1:
-            n = len(run_ids)
-            ids.extend(run_ids)
-            msg.extend([p.span_msg[a]] * n)
-            content.extend([p.span_content[a]] * n)
-            sampled.extend([p.span_sampled[a]] * n)
-        else:
-            if ends is None:  # mixed twice in this render, or cached ids of another render: needs ends
-                run_ids, ends = tok.encode_plain_with_ends(text)
-                if len(text) <= _RUN_CACHE_CHARS:
-                    (_TEMPLATE_RUNS if template[r] else _RUN_CACHE)[(tid, text)] = (run_ids, ends)
-            spans = []
-            s = start
-            for i in range(a, b):
-                e = p.span_end[i]
-                spans.append((text[s - start : e - start], p.span_msg[i], p.span_content[i], p.span_sampled[i]))
-                s = e
-            _attribute(run_ids, ends, spans, ids, msg, content, sampled)
-        start += len(text)
-    while k < nsp:
-        ids.append(sp_ids[k])
-        msg.append(p.sp_msg[k])
-        content.append(False)
-        sampled.append(p.sp_sampled[k])
-        k += 1
-    return RenderedTokens(token_ids=ids, message_indices=msg, sampled_mask=sampled, is_content=content)
+def _attribute(run_ids, ends, span_ends, attrs, msg, content, sampled) -> None:
+    """Attribute each token of a run of several spans by the spans its characters overlap.
 
-
-def _encode_vectorised(fast, p: Pieces) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-    """``_encode_runs``' result without per-token Python: every run in one fastokens call, each token's
-    character end from byte lengths over the whole text at once, and its attribution from the span
-    that holds it (``searchsorted``); a token over several spans is attributed as ``_attribute`` does.
-    Returns None where the run-by-run path must decide: text fastokens refuses, NFC would change, or
-    whose byte lengths do not add up (it goes to the tokenizers library there), or an unknown token."""
-    runs = p.runs
-    whole = "".join(runs)
-    ascii_text = whole.isascii()
-    if fast.nfc and not ascii_text and not all(t.isascii() or unicodedata.is_normalized("NFC", t) for t in runs):
-        return None
-    joined = len(whole) < _JOINED_MAX_CHARS
-    try:
-        if joined:
-            ids_np = np.fromiter(fast.joined(runs), dtype=np.int64)
-        else:
-            flat, offsets = fast.flat(runs)
-            ids_np = np.frombuffer(flat, dtype=np.uint32)
-        lengths = fast.lengths_np[ids_np]
-    except (ValueError, IndexError):  # refused by fastokens, or an id beyond the vocabulary
-        return None
-    if ids_np.size and int(lengths.min()) <= 0:
-        return None  # an unknown token (or an empty one)
-    byte_cum = np.zeros(ids_np.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=byte_cum[1:])
-    if ascii_text:
-        run_bytes = list(map(len, runs))
-        char_ends = byte_cum[1:]
-    else:
-        run_bytes = [len(t.encode("utf-8")) for t in runs]
-        char_ends = np.cumsum(fast.starts_np[ids_np])  # characters that start before each token's end byte
-    run_cum = np.zeros(len(runs) + 1, dtype=np.int64)
-    np.cumsum(run_bytes, out=run_cum[1:])
-    if byte_cum[-1] != run_cum[-1]:
-        return None  # the ids' byte lengths do not add up to the text's
-    # where each run's tokens start: the token that starts at the run's first byte
-    off = np.searchsorted(byte_cum, run_cum) if joined else np.frombuffer(offsets, dtype=np.uint64).astype(np.int64)
-    if not np.array_equal(byte_cum[off], run_cum):
-        return None  # a token over two runs, or a run's byte lengths do not add up to its text's
-    span_end = p.span_end
-    nspans = len(span_end)
-    # the span of every character (a zero-length span holds none), and a sentinel past the last
-    span_len = np.diff(np.array([0, *span_end], dtype=np.int64))
-    span_of = np.empty(span_end[-1] + 1 if nspans else 1, dtype=np.int64)
-    span_of[:-1] = np.repeat(np.arange(nspans, dtype=np.int64), span_len)
-    span_of[-1] = nspans
-    j = span_of[char_ends - 1]  # the span of each token's last character ...
-    js = np.empty_like(j)  # ... and of its first (a token starts where the one before it ends)
-    js[:1] = span_of[0]
-    js[1:] = span_of[char_ends[:-1]]
-    span_msg = np.array(p.span_msg, dtype=np.int64)
-    span_content = np.array(p.span_content, dtype=bool)
-    span_sampled = np.array(p.span_sampled, dtype=bool)
-    msg = span_msg[j]
-    content = span_content[j]
-    sampled = span_sampled[j]
-    # a token over several spans; one that completes a character split over tokens (no character of its
-    # own: it starts where it ends, js > j) stays with the span of the character it completes
-    across = np.flatnonzero(js < j)
-    if across.size:
-        a, b = js[across], j[across]
-        # a token over spans a..b (as _attribute): content if any of them is, owned by the first content
-        # span (else by span a), sampled only if all of them are
-        n_content = np.concatenate(([0], np.cumsum(span_content)))
-        n_unsampled = np.concatenate(([0], np.cumsum(~span_sampled)))
-        first_content = np.where(span_content, np.arange(nspans), nspans)
-        first_content = np.minimum.accumulate(first_content[::-1])[::-1]  # first content span at or after each
-        any_content = n_content[b + 1] > n_content[a]
-        owner = span_msg[np.minimum(first_content[a], nspans - 1)]
-        msg[across] = np.where(any_content, owner, span_msg[a])
-        content[across] = any_content
-        sampled[across] = n_unsampled[b + 1] == n_unsampled[a]
-    if p.sp_ids:
-        n_sp = len(p.sp_ids)
-        at = off[p.sp_run] + np.arange(n_sp)  # each special's position in the output
-        is_run = np.ones(ids_np.size + n_sp, dtype=bool)
-        is_run[at] = False
-        out_ids = np.empty(is_run.size, dtype=np.int64)
-        out_ids[at] = p.sp_ids
-        out_ids[is_run] = ids_np
-        out_msg = np.empty(is_run.size, dtype=np.int64)
-        out_msg[at] = p.sp_msg
-        out_msg[is_run] = msg
-        out_content = np.zeros(is_run.size, dtype=bool)
-        out_content[is_run] = content
-        out_sampled = np.empty(is_run.size, dtype=bool)
-        out_sampled[at] = p.sp_sampled
-        out_sampled[is_run] = sampled
-        ids_np, msg, content, sampled = out_ids, out_msg, out_content, out_sampled
-    return ids_np, msg, sampled, content
-
-
-def _attribute(run_ids, ends, run: list[Piece], ids, msg, content, sampled) -> None:
-    """Attribute each token of a mixed run by the pieces its characters overlap.
-
-    Token i covers characters [ends[i-1], ends[i]). Tokens inside one piece take its attributes in
-    bulk; a token that spans pieces (BPE merged across a boundary) counts as content if any of its
-    characters is content, belongs to the message of its first content character (else of its
-    first character), and is sampled only if all of its characters were. A token that completes a
-    character split over tokens covers no character of its own: it goes with the one it completes.
+    Token i covers characters [ends[i-1], ends[i]); span j ends at ``span_ends[j]``. Tokens inside one
+    span take its attributes in bulk; a token over several spans (BPE merged across a boundary) counts
+    as content if any of them is, belongs to the message of its first content span (else of its first
+    span), and is sampled only if all of them are. A token that completes a character split over
+    tokens covers no character of its own: it goes with the one it completes.
     """
     n = len(run_ids)
-    ids.extend(run_ids)
+    nspans = len(span_ends)
     t = 0
-    prev_end = 0
-    pos = 0
-    for j, piece in enumerate(run):
-        start, end = pos, pos + len(piece[0])  # type: ignore[arg-type]
-        pos = end
+    prev_end = 0  # where the tokens attributed so far end
+    start = 0
+    for j in range(nspans):
+        end = span_ends[j]
         if t >= n or (prev_end >= end and (ends[t] != end or start == end)):
-            continue  # an earlier spanning token covered this piece (but not what completes its last character)
-        hi = bisect_right(ends, end, t)  # tokens t..hi-1 end inside this piece
+            start = end
+            continue  # an earlier spanning token covered this span (but not what completes its last character)
+        hi = bisect_right(ends, end, t)  # tokens t..hi-1 end inside this span
         count = hi - t
+        message, is_content, is_sampled = attrs[j]
         if count:
-            msg.extend([piece[1]] * count)
-            content.extend([piece[2]] * count)
-            sampled.extend([piece[3]] * count)
+            msg += [message] * count
+            content += [is_content] * count
+            sampled += [is_sampled] * count
             prev_end = ends[hi - 1]
             t = hi
-        if t < n and prev_end < end:  # token t starts in this piece and ends in a later one
+        if t < n and prev_end < end:  # token t starts in this span and ends in a later one
             token_end = ends[t]
-            owner, content_owner, all_sampled = piece[1], None, True
+            content_owner, all_sampled = None, True
             k, k_start = j, start
-            while k < len(run) and k_start < token_end:
-                other = run[k]
-                if other[2] and content_owner is None:
-                    content_owner = other[1]
-                all_sampled = all_sampled and other[3]
-                k_start += len(other[0])  # type: ignore[arg-type]
+            while k < nspans and k_start < token_end:
+                other_message, other_content, other_sampled = attrs[k]
+                if other_content and content_owner is None:
+                    content_owner = other_message
+                all_sampled = all_sampled and other_sampled
+                k_start = span_ends[k]
                 k += 1
-            msg.append(content_owner if content_owner is not None else owner)
+            msg.append(content_owner if content_owner is not None else message)
             content.append(content_owner is not None)
             sampled.append(all_sampled)
             prev_end = token_end
             t += 1
+        start = end

@@ -26,6 +26,10 @@ TOOLS_OUTRO = (
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 
+# a turn's opening tokens, as one scaffold string (see Pieces.scaffold)
+_TURN_OPEN = {role: f"<|im_start|>{role}\n" for role in ("system", "user", "assistant")}
+_CALL_OPEN = {sep: sep + '<tool_call>\n{"name": "' for sep in ("", "\n")}
+
 _JSON = json.JSONEncoder(ensure_ascii=False)  # what json.dumps(value, ensure_ascii=False) builds on each call
 
 
@@ -56,27 +60,26 @@ class _QwenBase(Renderer):
 
     def _tool_message(self, p: Pieces, msgs: list[dict], i: int, prev_role: str | None) -> None:
         m = msgs[i]
-        if prev_role != "tool":
-            p.special("<|im_start|>", i)
-            p.scaffold("user", i)
-        p.scaffold("\n<tool_response>\n", i)
+        # consecutive tool results share one user turn; the fixed tokens go as one scaffold string each side
+        p.scaffold("\n<tool_response>\n" if prev_role == "tool" else "<|im_start|>user\n<tool_response>\n", i)
         p.text(_concat_content(m, i, self.name), i)
-        p.scaffold("\n</tool_response>", i)
-        if i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool":
-            p.special("<|im_end|>", i)
-            p.scaffold("\n", i)
+        last_of_turn = i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool"
+        p.scaffold("\n</tool_response><|im_end|>\n" if last_of_turn else "\n</tool_response>", i)
 
     def _plain_turn(self, p: Pieces, m: dict, i: int) -> None:
         text = _concat_content(m, i, self.name)
-        assistant = m["role"] == "assistant"
-        p.special("<|im_start|>", i)
-        p.scaffold(m["role"] + "\n", i)
-        p.text(text, i, sampled=assistant)
-        p.special("<|im_end|>", i, sampled=assistant)
-        p.scaffold("\n", i)
+        role = m["role"]
+        p.scaffold(_TURN_OPEN[role], i)
+        if role == "assistant":
+            p.text(text, i, sampled=True)
+            p.special("<|im_end|>", i, sampled=True)
+            p.scaffold("\n", i)
+        else:
+            p.text(text, i)
+            p.scaffold("<|im_end|>\n", i)
 
-    def _tool_call(self, p: Pieces, call: dict, i: int, arguments_text: str) -> None:
-        p.scaffold('<tool_call>\n{"name": "', i, sampled=True)
+    def _tool_call(self, p: Pieces, call: dict, i: int, arguments_text: str, separator: str = "") -> None:
+        p.scaffold(_CALL_OPEN[separator], i, sampled=True)
         p.text(call["function"]["name"], i, sampled=True)
         p.scaffold('", "arguments": ', i, sampled=True)
         p.text(arguments_text, i, sampled=True)
@@ -94,8 +97,7 @@ class _QwenBase(Renderer):
             prev_role = role
 
     def _generation_prompt(self, p: Pieces) -> None:
-        p.special("<|im_start|>")
-        p.scaffold("assistant\n")
+        p.scaffold("<|im_start|>assistant\n")
 
     def _continue(self, p, msgs, tools):
         self._messages(p, msgs, prev_role="assistant", first_is_skipped_system=False)
@@ -112,8 +114,7 @@ class Qwen25Renderer(_QwenBase):
         has_system = msgs[0]["role"] == "system"
         owner = 0 if has_system else -1
         if tools:
-            p.special("<|im_start|>", owner)
-            p.scaffold("system\n", owner)
+            p.scaffold("<|im_start|>system\n", owner)
             if has_system:
                 p.text(_concat_content(msgs[0], 0, self.name), 0)
             else:
@@ -123,10 +124,7 @@ class Qwen25Renderer(_QwenBase):
         elif has_system:
             self._plain_turn(p, msgs[0], 0)
         else:
-            p.special("<|im_start|>")
-            p.scaffold("system\n" + QWEN25_DEFAULT_SYSTEM)
-            p.special("<|im_end|>")
-            p.scaffold("\n")
+            p.scaffold(f"<|im_start|>system\n{QWEN25_DEFAULT_SYSTEM}<|im_end|>\n")
         self._messages(p, msgs, prev_role=None, first_is_skipped_system=True)
         if add_generation_prompt:
             self._generation_prompt(p)
@@ -136,14 +134,12 @@ class Qwen25Renderer(_QwenBase):
         if "tool_calls" not in m:
             self._plain_turn(p, m, i)
             return
-        p.special("<|im_start|>", i)
-        p.scaffold("assistant", i)
+        p.scaffold("<|im_start|>assistant", i)
         if m.get("content"):
             p.scaffold("\n", i, sampled=True)
             p.text(m["content"], i, sampled=True)
         for call in m["tool_calls"]:
-            p.scaffold("\n", i, sampled=True)
-            self._tool_call(p, call, i, tojson(call["function"]["arguments"]))
+            self._tool_call(p, call, i, tojson(call["function"]["arguments"]), "\n")
         p.special("<|im_end|>", i, sampled=True)
         p.scaffold("\n", i)
 
@@ -160,8 +156,7 @@ class Qwen3Renderer(_QwenBase):
         has_system = msgs[0]["role"] == "system"
         if tools:
             owner = 0 if has_system else -1
-            p.special("<|im_start|>", owner)
-            p.scaffold("system\n", owner)
+            p.scaffold("<|im_start|>system\n", owner)
             if has_system:
                 p.text(_concat_content(msgs[0], 0, self.name), 0)
                 p.scaffold("\n\n", 0)
@@ -189,23 +184,18 @@ class Qwen3Renderer(_QwenBase):
             content = content.split("</think>")[-1].lstrip("\n")
         if content is None:
             raise TemplateRejected(f"message {i}: the qwen3 template concatenates the assistant content, which is missing")
-        p.special("<|im_start|>", i)
-        p.scaffold("assistant\n", i)
+        p.scaffold("<|im_start|>assistant\n", i)
         if i > self._last_query and (i == len(msgs) - 1 or reasoning):
-            p.special("<think>", i, sampled=True)
-            p.scaffold("\n", i, sampled=True)
+            p.scaffold("<think>\n", i, sampled=True)
             p.text(reasoning.strip("\n"), i, sampled=True)
-            p.scaffold("\n", i, sampled=True)
-            p.special("</think>", i, sampled=True)
-            p.scaffold("\n\n", i, sampled=True)
+            p.scaffold("\n</think>\n\n", i, sampled=True)
             p.text(content.lstrip("\n"), i, sampled=True)
         else:
             p.text(content, i, sampled=True)
         for j, call in enumerate(m.get("tool_calls", ())):
-            if j > 0 or content:  # the template tests `content` before its lstrip: "\n" alone still separates
-                p.scaffold("\n", i, sampled=True)
             args = call["function"]["arguments"]
-            self._tool_call(p, call, i, args if isinstance(args, str) else tojson(args))
+            # the template tests `content` before its lstrip: "\n" alone still separates
+            self._tool_call(p, call, i, args if isinstance(args, str) else tojson(args), "\n" if j > 0 or content else "")
         p.special("<|im_end|>", i, sampled=True)
         p.scaffold("\n", i)
 

@@ -112,25 +112,12 @@ class Tokenizer:
             return fast.encode(text)
         return library_encode(self._plain, text)
 
-    def encode_plain_batch(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
-        """Several texts at once, as ``encode_plain_with_ends``."""
+    def encode_plain_ids(self, text: str) -> list[int]:
+        """The ids of ``encode_plain_with_ends``, without the end offsets."""
         fast = self.fast_encoder
         if fast is not None:
-            return fast.encode_batch(texts)
-        if len(texts) == 1:
-            return [library_encode(self._plain, texts[0])]
-        encs = self._plain.encode_batch(texts, add_special_tokens=False)
-        return [(enc.ids, [end for _, end in enc.offsets]) for enc in encs]
-
-    def encode_plain_ids_batch(self, texts: list[str]) -> list[list[int]]:
-        """The ids of ``encode_plain_batch`` without the end offsets (attribution needs them only where a
-        run of text mixes messages or content with scaffold)."""
-        fast = self.fast_encoder
-        if fast is not None:
-            return [fast.ids(text) for text in texts]
-        if len(texts) == 1:
-            return [self._plain.encode(texts[0], add_special_tokens=False).ids]
-        return [enc.ids for enc in self._plain.encode_batch(texts, add_special_tokens=False)]
+            return fast.ids(text)
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     @property
     def fast_encoder(self) -> FastEncoder | None:

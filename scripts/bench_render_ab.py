@@ -5,7 +5,8 @@
 The revision's ``renderers/`` is extracted with ``git archive`` into a temporary directory and imported
 under another name next to the working tree's ``tito_renderers``; both render the same never-seen
 Qwen3 conversations of bench_render.py (1 / 10 / 30 tool turns, code and multilingual tool results),
-alternating which goes first each round. Prints each side's median ms per call and base / working tree.
+alternating which goes first each round, after checking that both give the same tokens and attribution.
+Prints each side's median ms per call and base / working tree.
 On a shared machine, only the ratio is worth reading: both sides see the same noise.
 """
 
@@ -83,9 +84,21 @@ def main() -> None:
                     for fn in fns.values():  # warm up on inputs no round uses
                         for m in inputs[-n:]:
                             fn(m)
+                same_output(fns, inputs[-n:])
                 med = interleaved(fns, inputs, n, args.rounds)
                 print(f"{style:12s} {turns:2d} turns: base {med['base']:.4f} ms, tree {med['tree']:.4f} ms "
                       f"({med['base'] / med['tree']:.2f}x)", flush=True)
+
+
+def same_output(fns: dict, inputs: list) -> None:
+    """A speed-up that changes a token or its attribution is a bug: both sides must agree on every input."""
+    for x in inputs:
+        base, tree = (fns[name](x) for name in ("base", "tree"))
+        base, tree = (out[-1] if isinstance(out, tuple) else out for out in (base, tree))  # a render: (None, tokens)
+        for field in ("token_ids", "message_indices", "sampled_mask", "is_content"):
+            got, want = (getattr(getattr(out, "appended", out), field) for out in (tree, base))
+            if got != want:
+                raise SystemExit(f"the working tree's {field} differ from the base revision's on {str(x)[:200]}")
 
 
 def bridges(sides: dict, r0, tok0, msgs: list[dict], style: str, rounds: int):

@@ -4,8 +4,10 @@
 
 For 1 and 10 tool turns (code and multilingual tool results), every render on never-seen content with
 the encoding caches of message text emptied first, it prints the mean us of: message normalisation,
-building the pieces (the renderer's Python), ``Pieces.encode`` (fastokens, attribution and the four
-lists), and fastokens alone on the same runs right after (a lower bound: its word cache is warm). It also times the two ways of calling fastokens on
+a render run by run (``Pieces``: the renderer's Python with each run encoded and attributed as it
+ends), the same render collected (``LongPieces``: building the pieces, then one fastokens call, numpy
+attribution and the four lists), and fastokens alone on the same runs right after (a lower bound: its
+word cache is warm). It also times the two ways of calling fastokens on
 one render's runs, in place, alternating their order: one batch call (``encode_batch_flat``, a thread
 pool) and one call in this thread (``encode_segments``). Means of in-place timings are what this
 answers; ratios between rows of one run are the figures to read on a noisy machine.
@@ -26,38 +28,44 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench_render as bench  # noqa: E402
 
 import tito_renderers as renderers  # noqa: E402
+from tito_renderers.long_pieces import LongPieces  # noqa: E402
 from tito_renderers.messages import normalize_messages, normalize_tools  # noqa: E402
 from tito_renderers.pieces import Pieces, clear_caches  # noqa: E402
 
 
 def stages(r, tok, msgs: list[dict], renders: int) -> dict[str, float]:
     fast = tok.fast_encoder
-    total = dict.fromkeys(("normalise", "pieces", "encode", "fastokens alone", "batch call", "this thread"), 0.0)
+    names = ("normalise", "run by run", "long: pieces", "long: encode", "fastokens alone", "batch call", "this thread")
+    total = dict.fromkeys(names, 0.0)
     clock = time.perf_counter
+    tools = normalize_tools(bench.TOOLS)
     for i in range(renders):
         clear_caches()
         m = bench.unique(msgs, f"stages{i}")
         t0 = clock()
-        normalized, tools = normalize_messages(m), normalize_tools(bench.TOOLS)
+        normalized = normalize_messages(m)
         t1 = clock()
-        p = Pieces(tok)
+        p = Pieces(tok)  # pieces and their encoding interleaved: each run encoded as a special token ends it
         r._render(p, normalized, tools, False)
-        p._finish()
-        t2 = clock()
         p.encode()
-        t3 = clock()
+        t2 = clock()
         clear_caches()
-        fast.joined(p.runs)  # the same runs once more: what the encoder alone costs (its word cache warm)
+        long = LongPieces(tok)
+        r._render(long, normalized, tools, False)
+        long.finish()
+        t3 = clock()
+        long.encode()
         t4 = clock()
-        total["normalise"] += t1 - t0
-        total["pieces"] += t2 - t1
-        total["encode"] += t3 - t2
-        total["fastokens alone"] += t4 - t3
+        clear_caches()
+        fast.joined(long.runs)  # the same runs once more: what the encoder alone costs (its word cache warm)
+        t5 = clock()
+        for name, dt in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=False):
+            total[name] += dt
         r.render(bench.unique(msgs, f"between{i}"), bench.TOOLS)  # other work between the two calls, as in use
         calls = (("batch call", fast.flat), ("this thread", fast.joined))
         for name, call in calls if i % 2 else calls[::-1]:
             t0 = clock()
-            call(p.runs)
+            call(long.runs)
             total[name] += clock() - t0
     return {k: v / renders * 1e6 for k, v in total.items()}
 
