@@ -286,6 +286,40 @@ class FastEncoder:
             ends[f : g + 1] = [fill] * (g + 1 - f)
         return ends
 
+    def edges(self, ids: list[int], text: str, head: int, tail: int) -> tuple[int, int] | None:
+        """For ``text`` made of a head (its first ``head`` characters), a middle and a tail (from
+        character ``tail`` on, ``head < tail``): how many of its tokens ``ids`` (fastokens' own) cover
+        head characters only and how many tail characters only, or None where the byte lengths do not
+        add up. A token that completes a character split over tokens counts with the character it
+        completes. Walks the tokens from both ends of the text, never the middle (see :meth:`ends_at`)."""
+        n = len(ids)
+        if not n or (self._unk is not None and self._unk in ids):
+            return None
+        ascii_text = text.isascii()
+        table = self._lengths if ascii_text else self._starts
+        total = len(text)
+        if not self._byte_level or n < _EXACT_BELOW:
+            get = itemgetter(*ids) if n > 1 else None
+            per = get(table) if get else (table[ids[0]],)
+            if sum(per) != total:
+                return None
+            if not ascii_text and (sum(get(self._lengths)) if get else self._lengths[ids[0]]) != len(text.encode("utf-8")):
+                return None
+        a, cum = 0, 0
+        while a < n:
+            cum += table[ids[a]]
+            if cum > head:
+                break
+            a += 1  # token a ends at or before the head's end
+        b, cum = 0, total
+        while b < n - a:
+            width = table[ids[n - 1 - b]]
+            if cum - width < tail or cum == tail:  # starts before the tail, or completes its last character before it
+                break
+            cum -= width
+            b += 1
+        return a, b
+
     def try_ids(self, text: str) -> list[int] | None:
         """fastokens' ids for ``text``, or None where the tokenizers library must encode it: NFC would
         change the text (an NFC vocabulary), or fastokens refuses it (a byte with no token)."""

@@ -52,73 +52,75 @@ def _text(value: Any, where: str) -> str | None:
     raise MessageError(f"{where} must be a string, a list of text parts or null, got {type(value).__name__}")
 
 
-def _tool_call(call: Any, where: str) -> dict:
+def _tool_call(call: Any, index: int, j: int) -> dict:
     if not _is_mapping(call):
-        raise MessageError(f"{where} must be an object, got {type(call).__name__}")
+        raise MessageError(f"message {index}.tool_calls[{j}] must be an object, got {type(call).__name__}")
     function = call.get("function", call)
     if not _is_mapping(function):
-        raise MessageError(f"{where}.function must be an object, got {type(function).__name__}")
+        raise MessageError(f"message {index}.tool_calls[{j}].function must be an object, got {type(function).__name__}")
     name = function.get("name")
     if not isinstance(name, str) or not name:
-        raise MessageError(f"{where} has no function name")
+        raise MessageError(f"message {index}.tool_calls[{j}] has no function name")
     arguments = function.get("arguments", {})
-    if arguments is None:
-        arguments = {}
-    if _is_mapping(arguments):
+    if arguments.__class__ is dict or (arguments is not None and _is_mapping(arguments)):
         arguments = dict(arguments)
+    elif arguments is None:
+        arguments = {}
     elif not isinstance(arguments, str):
-        raise MessageError(f"{where}.arguments must be an object or a JSON string, got {type(arguments).__name__}")
-    out: dict[str, Any] = {}
+        raise MessageError(
+            f"message {index}.tool_calls[{j}].arguments must be an object or a JSON string, got {type(arguments).__name__}"
+        )
     call_id = call.get("id")
     if isinstance(call_id, str):
-        out["id"] = call_id
-    out["type"] = "function"
-    out["function"] = {"name": name, "arguments": arguments}
-    return out
+        return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def normalize_message(message: Any, index: int = 0) -> dict:
-    """One OpenAI chat message -> the dict a chat template sees (see the module docstring)."""
-    where = f"message {index}"
+    """One OpenAI chat message -> the dict a chat template sees (see the module docstring). The
+    checks run on every message of every render: error texts are built only when one fails."""
     if not _is_mapping(message):
-        raise MessageError(f"{where} must be an object, got {type(message).__name__}")
+        raise MessageError(f"message {index} must be an object, got {type(message).__name__}")
     role = message.get("role")
     if role not in ROLES:
-        raise MessageError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        raise MessageError(f"message {index}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
     if not message.keys() <= _KNOWN_KEYS:
-        raise MessageError(f"{where}: unknown field(s) {sorted(set(message) - _KNOWN_KEYS)}")
+        raise MessageError(f"message {index}: unknown field(s) {sorted(set(message) - _KNOWN_KEYS)}")
     out: dict[str, Any] = {"role": role}
     content = message.get("content")
     if content.__class__ is not str:
-        content = _text(content, f"{where}.content")
+        content = _text(content, f"message {index}.content")
     if content is not None:
         out["content"] = content
     elif role != "assistant":
-        raise MessageError(f"{where}: a {role} message needs content")
+        raise MessageError(f"message {index}: a {role} message needs content")
+    if len(message) == 2 and content is not None:  # role and content only: most messages
+        return out
     for key in _REASONING_KEYS:
         reasoning = message.get(key)
         if reasoning is None:
             continue
-        reasoning = _text(reasoning, f"{where}.{key}")
+        if reasoning.__class__ is not str:
+            reasoning = _text(reasoning, f"message {index}.{key}")
         if reasoning:
             if role != "assistant":
-                raise MessageError(f"{where}: only assistant messages carry reasoning, not {role}")
+                raise MessageError(f"message {index}: only assistant messages carry reasoning, not {role}")
             out["reasoning_content"] = reasoning
         break
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
         if role != "assistant":
-            raise MessageError(f"{where}: only assistant messages carry tool_calls, not {role}")
+            raise MessageError(f"message {index}: only assistant messages carry tool_calls, not {role}")
         if tool_calls.__class__ is not list and (not isinstance(tool_calls, Sequence) or isinstance(tool_calls, (str, bytes))):
-            raise MessageError(f"{where}.tool_calls must be a list")
+            raise MessageError(f"message {index}.tool_calls must be a list")
         if tool_calls:
-            out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(tool_calls)]
+            out["tool_calls"] = [_tool_call(c, index, j) for j, c in enumerate(tool_calls)]
     for key in ("tool_call_id", "name"):
         value = message.get(key)
         if value is None:
             continue
         if not isinstance(value, str):
-            raise MessageError(f"{where}.{key} must be a string, got {type(value).__name__}")
+            raise MessageError(f"message {index}.{key} must be a string, got {type(value).__name__}")
         out[key] = value
     return out
 

@@ -83,6 +83,13 @@ class _Emitter:
             self.message_text = True
             self._text(text, message, content, sampled)
 
+    def wrapped(self, head: str, text: str, tail: str, message: int, sampled: bool = False) -> None:
+        """``scaffold(head)``, ``text(text)`` and ``scaffold(tail)``, all of one message and one sampled
+        flag: a message's text between two pieces of its turn's scaffold, the common shape."""
+        self.scaffold(head, message, sampled)
+        self.text(text, message, sampled)
+        self.scaffold(tail, message, sampled)
+
     def _special(self, tid: int, message: int, sampled: bool) -> None:
         raise NotImplementedError
 
@@ -141,6 +148,55 @@ class Pieces(_Emitter):
             self.last = attr
             self.ends.append(pos)
             self.attrs.append(attr)
+
+    def wrapped(self, head: str, text: str, tail: str, message: int, sampled: bool = False) -> None:
+        # where head and tail both hold an added token, the run between them is exactly the head's
+        # trailing text, the message text and the tail's leading text, and its tokens' attribution is
+        # known from two counts: no spans kept, no end offsets
+        splits = self.splits
+        hs = splits.get(head) or _split(self.tok, splits, head)
+        ts = splits.get(tail) or _split(self.tok, splits, tail)
+        fast = self.fast
+        if hs[1] is None or ts[1] is None or not text or fast is None:
+            _Emitter.wrapped(self, head, text, tail, message, sampled)
+            return
+        lead, block, before = hs  # type: ignore[misc]
+        after, tail_block, trail = ts  # type: ignore[misc]
+        if lead:
+            self._text(lead, message, False, sampled)
+        if block.__class__ is int:
+            self._special(block, message, sampled)  # type: ignore[arg-type]
+        else:
+            self._block(block, message, sampled)  # type: ignore[arg-type]
+        run = before + text + after
+        key = (self.tok_key, run)
+        hit = _RUN_CACHE.get(key)
+        run_ids = fast.try_ids(run) if hit is None else hit[0] if hit[1] is None else None
+        counts = None if run_ids is None else fast.edges(run_ids, run, len(before), len(run) - len(after))
+        if counts is None:  # not fastokens' to encode, or byte lengths that do not add up: the general path
+            self.message_text = True
+            if before:
+                self._text(before, message, False, sampled)
+            self._text(text, message, True, sampled)
+            if after:
+                self._text(after, message, False, sampled)
+        else:
+            if hit is None:
+                _remember(_RUN_CACHE, key, (run_ids, None))  # type: ignore[arg-type]
+            a, b = counts
+            n = len(run_ids)  # type: ignore[arg-type]
+            self.ids += run_ids  # type: ignore[arg-type]
+            self.msg += [message] * n
+            self.sampled += [sampled] * n
+            self.content += [False] * a
+            self.content += [True] * (n - a - b)
+            self.content += [False] * b
+        if tail_block.__class__ is int:
+            self._special(tail_block, message, sampled)  # type: ignore[arg-type]
+        else:
+            self._block(tail_block, message, sampled)  # type: ignore[arg-type]
+        if trail:
+            self._text(trail, message, False, sampled)
 
     def _flush(self) -> None:
         """Encode the current run and attribute its tokens."""

@@ -61,22 +61,24 @@ class _QwenBase(Renderer):
     def _tool_message(self, p: Pieces, msgs: list[dict], i: int, prev_role: str | None) -> None:
         m = msgs[i]
         # consecutive tool results share one user turn; the fixed tokens go as one scaffold string each side
-        p.scaffold("\n<tool_response>\n" if prev_role == "tool" else "<|im_start|>user\n<tool_response>\n", i)
-        p.text(_concat_content(m, i, self.name), i)
         last_of_turn = i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool"
-        p.scaffold("\n</tool_response><|im_end|>\n" if last_of_turn else "\n</tool_response>", i)
+        p.wrapped(
+            "\n<tool_response>\n" if prev_role == "tool" else "<|im_start|>user\n<tool_response>\n",
+            _concat_content(m, i, self.name),
+            "\n</tool_response><|im_end|>\n" if last_of_turn else "\n</tool_response>",
+            i,
+        )
 
     def _plain_turn(self, p: Pieces, m: dict, i: int) -> None:
         text = _concat_content(m, i, self.name)
         role = m["role"]
-        p.scaffold(_TURN_OPEN[role], i)
         if role == "assistant":
+            p.scaffold(_TURN_OPEN[role], i)
             p.text(text, i, sampled=True)
             p.special("<|im_end|>", i, sampled=True)
             p.scaffold("\n", i)
         else:
-            p.text(text, i)
-            p.scaffold("<|im_end|>\n", i)
+            p.wrapped(_TURN_OPEN[role], text, "<|im_end|>\n", i)
 
     def _tool_call(self, p: Pieces, call: dict, i: int, arguments_text: str, separator: str = "") -> None:
         p.scaffold(_CALL_OPEN[separator], i, sampled=True)
@@ -186,9 +188,7 @@ class Qwen3Renderer(_QwenBase):
             raise TemplateRejected(f"message {i}: the qwen3 template concatenates the assistant content, which is missing")
         p.scaffold("<|im_start|>assistant\n", i)
         if i > self._last_query and (i == len(msgs) - 1 or reasoning):
-            p.scaffold("<think>\n", i, sampled=True)
-            p.text(reasoning.strip("\n"), i, sampled=True)
-            p.scaffold("\n</think>\n\n", i, sampled=True)
+            p.wrapped("<think>\n", reasoning.strip("\n"), "\n</think>\n\n", i, sampled=True)
             p.text(content.lstrip("\n"), i, sampled=True)
         else:
             p.text(content, i, sampled=True)

@@ -54,7 +54,12 @@ def _reference(tok, ops) -> tuple[list[int], list[int], list[bool], list[bool]]:
     covers no character: it goes with the character it completes."""
     items: list[tuple[str | int, int, bool, bool]] = []
     for kind, value, message, sampled, content in ops:
-        if kind == "special":
+        if kind == "wrapped":  # scaffold, message text, scaffold
+            head, text, tail = value
+            items += [(part, message, False, sampled) for part in _split(tok, head)]
+            items += [(text, message, True, sampled)] if text else []
+            items += [(part, message, False, sampled) for part in _split(tok, tail)]
+        elif kind == "special":
             items.append((tok.added_tokens[value], message, False, sampled))
         elif kind == "scaffold":
             items += [(part, message, False, sampled) for part in _split(tok, value)]
@@ -103,10 +108,16 @@ def _random_ops(tok, rng: random.Random, n: int) -> list[tuple]:
         sampled = rng.random() < 0.5
         if kind < 0.12:
             ops.append(("special", rng.choice(specials), message, sampled, False))
-        elif kind < 0.22:  # a turn's fixed tokens as one scaffold string: a block of tokens inside it
+        elif kind < 0.2:  # a message's text between two scaffold strings, mostly each with an added token
+            head, tail = (rng.choice(("\n", "", "user\n")) + (rng.choice(specials) if rng.random() < 0.8 else "")
+                          + rng.choice(("\n", "", "user\n", " ")) for _ in range(2))
+            pool = DECLINED if rng.random() < 0.01 else (LONG_TEXT,) if rng.random() < 0.2 else TEXTS
+            text = "".join(rng.choice(pool) for _ in range(rng.randrange(0, 4)))
+            ops.append(("wrapped", (head, text, tail), message, sampled, True))
+        elif kind < 0.3:  # a turn's fixed tokens as one scaffold string: a block of tokens inside it
             a, b = rng.choice(specials), rng.choice(specials)
             ops.append(("scaffold", rng.choice(("", "\n")) + f"{a}\n{b}user" + rng.choice(("", "\n", f"{a}")), message, sampled, False))
-        elif kind < 0.35:
+        elif kind < 0.42:
             ops.append(("scaffold", rng.choice(TEXTS), message, sampled, False))
         else:
             pool = DECLINED if rng.random() < 0.002 else (LONG_TEXT,) if rng.random() < 0.03 else TEXTS
@@ -117,7 +128,9 @@ def _random_ops(tok, rng: random.Random, n: int) -> list[tuple]:
 
 def _apply(p, ops):
     for kind, value, message, sampled, content in ops:
-        if kind == "special":
+        if kind == "wrapped":
+            p.wrapped(*value, message, sampled)
+        elif kind == "special":
             p.special(value, message, sampled)
         elif kind == "scaffold":
             p.scaffold(value, message, sampled)
