@@ -374,9 +374,7 @@ class HarmonyRenderer(HarmonyParsing, Renderer):
                     )
                 self._tool_result(p, m, i, last_call)
             elif role == "user":
-                p.scaffold("<|start|>user<|message|>", i)
-                p.text(m["content"], i)
-                p.special("<|end|>", i)
+                p.wrapped("<|start|>user<|message|>", m["content"], "<|end|>", i)
             # a system message after the first is not rendered by the template
         return last_call
 
@@ -392,8 +390,7 @@ class HarmonyRenderer(HarmonyParsing, Renderer):
                     f"message {i}: the gpt-oss template rejects <|channel|> headers in the {field}; pass analysis "
                     "as reasoning_content and the answer as content"
                 )
-        p.special("<|start|>", i)
-        p.scaffold("assistant", i)
+        p.scaffold("<|start|>assistant", i)
         if "tool_calls" in m:
             if content and thinking:
                 raise TemplateRejected(
@@ -419,14 +416,9 @@ class HarmonyRenderer(HarmonyParsing, Renderer):
     def _analysis(self, p: Pieces, text: str, i: int) -> None:
         """An analysis message, then the next message's ``<|start|>assistant`` (both sampled: the
         model writes them after the generation prompt)."""
-        p.scaffold("<|channel|>analysis<|message|>", i, sampled=True)
-        p.text(text, i, sampled=True)
-        p.scaffold("<|end|><|start|>assistant", i, sampled=True)
+        p.wrapped("<|channel|>analysis<|message|>", text, "<|end|><|start|>assistant", i, sampled=True)
 
     def _tool_result(self, p: Pieces, m: dict, i: int, function: str) -> None:
-        p.special("<|start|>", i)
-        p.scaffold("functions.", i)
+        p.scaffold("<|start|>functions.", i)
         p.text(function, i, content=False)
-        p.scaffold(" to=assistant<|channel|>commentary<|message|>", i)
-        p.text(tojson(m["content"]), i)
-        p.special("<|end|>", i)
+        p.wrapped(" to=assistant<|channel|>commentary<|message|>", tojson(m["content"]), "<|end|>", i)

@@ -161,17 +161,16 @@ class Llama31Renderer(LlamaHeaders):
     def _message(self, p: Pieces, msgs: list[dict], i: int) -> None:
         m = msgs[i]
         role = m["role"]
-        if role == "tool":
-            self._header(p, "ipython", i)
-            p.text(tojson(m["content"]), i)  # a string is `iterable` to Jinja: the template JSON-encodes it
-            p.special("<|eot_id|>", i)
+        if role == "tool":  # a string is `iterable` to Jinja: the template JSON-encodes it
+            p.wrapped(HEADER.format("ipython"), tojson(m["content"]), "<|eot_id|>", i)
         elif "tool_calls" in m:
             self._tool_call_turn(p, m, i)
-        else:
-            assistant = role == "assistant"
+        elif role == "assistant":
             self._header(p, role, i)
-            p.text(m.get("content", "").strip(), i, sampled=assistant)  # undefined|trim is ""
-            p.special("<|eot_id|>", i, sampled=assistant)
+            p.text(m.get("content", "").strip(), i, sampled=True)  # undefined|trim is ""
+            p.special("<|eot_id|>", i, sampled=True)
+        else:
+            p.wrapped(HEADER.format(role), m.get("content", "").strip(), "<|eot_id|>", i)
 
     def _tool_call_turn(self, p: Pieces, m: dict, i: int) -> None:
         if len(m["tool_calls"]) != 1:

@@ -80,12 +80,13 @@ class _QwenBase(Renderer):
         else:
             p.wrapped(_TURN_OPEN[role], text, "<|im_end|>\n", i)
 
-    def _tool_call(self, p: Pieces, call: dict, i: int, arguments_text: str, separator: str = "") -> None:
+    def _tool_call(self, p: Pieces, call: dict, i: int, arguments_text: str, separator: str, last: bool) -> None:
+        """One call; the last one closes the turn too (``<|im_end|>``, sampled)."""
         p.scaffold(_CALL_OPEN[separator], i, sampled=True)
         p.text(call["function"]["name"], i, sampled=True)
         p.scaffold('", "arguments": ', i, sampled=True)
         p.text(arguments_text, i, sampled=True)
-        p.scaffold("}\n</tool_call>", i, sampled=True)
+        p.scaffold("}\n</tool_call><|im_end|>" if last else "}\n</tool_call>", i, sampled=True)
 
     def _messages(self, p: Pieces, msgs: list[dict], prev_role: str | None, first_is_skipped_system: bool) -> None:
         for i, m in enumerate(msgs):
@@ -140,9 +141,9 @@ class Qwen25Renderer(_QwenBase):
         if m.get("content"):
             p.scaffold("\n", i, sampled=True)
             p.text(m["content"], i, sampled=True)
-        for call in m["tool_calls"]:
-            self._tool_call(p, call, i, tojson(call["function"]["arguments"]), "\n")
-        p.special("<|im_end|>", i, sampled=True)
+        calls = m["tool_calls"]  # never empty: normalisation drops an empty list
+        for j, call in enumerate(calls):
+            self._tool_call(p, call, i, tojson(call["function"]["arguments"]), "\n", j == len(calls) - 1)
         p.scaffold("\n", i)
 
 
@@ -192,11 +193,14 @@ class Qwen3Renderer(_QwenBase):
             p.text(content.lstrip("\n"), i, sampled=True)
         else:
             p.text(content, i, sampled=True)
-        for j, call in enumerate(m.get("tool_calls", ())):
+        calls = m.get("tool_calls", ())
+        for j, call in enumerate(calls):
             args = call["function"]["arguments"]
             # the template tests `content` before its lstrip: "\n" alone still separates
-            self._tool_call(p, call, i, args if isinstance(args, str) else tojson(args), "\n" if j > 0 or content else "")
-        p.special("<|im_end|>", i, sampled=True)
+            self._tool_call(p, call, i, args if isinstance(args, str) else tojson(args), "\n" if j > 0 or content else "",
+                            j == len(calls) - 1)
+        if not calls:
+            p.special("<|im_end|>", i, sampled=True)
         p.scaffold("\n", i)
 
     def _family_break(self, prompt_ids, completion, msgs):
