@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .long_pieces import new_pieces
 from .messages import MessageError, normalize_messages, normalize_tools
-from .pieces import Pieces
+from .pieces import Pieces, PieceWriter
 from .scan import prompt_opens_reasoning, scan_ids
 from .tokenizer import Tokenizer
 from .types import Break, BreakReason, Bridged, Capabilities, ParsedResponse, RenderedTokens, ToolCall, ToolCallStatus
@@ -159,10 +159,10 @@ class Renderer:
     ) -> list[int]:
         return self.render(messages, tools, add_generation_prompt, **template_kwargs).token_ids
 
-    def _render(self, p: Pieces, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> None:
+    def _render(self, p: PieceWriter, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> None:
         raise NotImplementedError
 
-    def _continue(self, p: Pieces, msgs: list[dict], tools: list[dict] | None) -> None:
+    def _continue(self, p: PieceWriter, msgs: list[dict], tools: list[dict] | None) -> None:
         """Pieces for ``msgs`` following a closed assistant turn, then the generation prompt."""
         raise NotImplementedError
 

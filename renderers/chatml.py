@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib import resources
 
 from .base import Renderer, TemplateRejected
-from .pieces import Pieces
+from .pieces import PieceWriter
 
 CHATML_TEMPLATE = resources.files(__package__).joinpath("templates/chatml.jinja").read_text(encoding="utf-8")
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -31,7 +31,7 @@ class ChatMLRenderer(Renderer):
     supports_tools = False  # the template renders role and content only
     default_system: str | None = None
 
-    def _message(self, p: Pieces, m: dict, i: int) -> None:
+    def _message(self, p: PieceWriter, m: dict, i: int) -> None:
         text = _require_content(m, i, self.name)
         assistant = m["role"] == "assistant"
         p.special("<|im_start|>", i)
@@ -57,7 +57,7 @@ class ChatMLRenderer(Renderer):
             self._message(p, m, i)
         self._generation_prompt(p)
 
-    def _generation_prompt(self, p: Pieces) -> None:
+    def _generation_prompt(self, p: PieceWriter) -> None:
         p.special("<|im_start|>")
         p.scaffold("assistant\n")
 

@@ -10,7 +10,7 @@ markers are not tokens in this vocabulary, so they are ordinary scaffold text.
 from __future__ import annotations
 
 from .base import Renderer, TemplateRejected
-from .pieces import Pieces
+from .pieces import PieceWriter
 from .types import Break, BreakReason
 
 OUTPUTS_BEGIN = "<｜tool▁outputs▁begin｜>"
@@ -38,7 +38,7 @@ class DeepSeekR1DistillRenderer(Renderer):
         if add_generation_prompt and not is_tool:
             p.scaffold("<｜Assistant｜>\n")
 
-    def _messages(self, p: Pieces, msgs: list[dict], is_output_first: bool) -> bool:
+    def _messages(self, p: PieceWriter, msgs: list[dict], is_output_first: bool) -> bool:
         is_tool = False
         for i, m in enumerate(msgs):
             role = m["role"]

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 from .base import Renderer, TemplateRejected, _tool_names, checked_call
 from .deepseek_r1_distill import OUTPUT_BEGIN, OUTPUT_END, OUTPUTS_BEGIN, OUTPUTS_END
 from .messages import normalize_tools
-from .pieces import Pieces
+from .pieces import PieceWriter
 from .scan import scan_ids
 from .tokenizer import Tokenizer
 from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCall, ToolCallStatus
@@ -97,7 +97,7 @@ class _DeepSeekBase(Renderer):
         self._messages(p, msgs, ns)
         self._close(p, ns, add_generation_prompt=True)
 
-    def _messages(self, p: Pieces, msgs: list[dict], ns: _Namespace) -> None:
+    def _messages(self, p: PieceWriter, msgs: list[dict], ns: _Namespace) -> None:
         for i, m in enumerate(msgs):
             role = m["role"]
             if role == "user":
@@ -117,17 +117,17 @@ class _DeepSeekBase(Renderer):
                 p.text(m["content"], i)
                 p.special(OUTPUT_END, i)
 
-    def _close(self, p: Pieces, ns: _Namespace, add_generation_prompt: bool) -> None:
+    def _close(self, p: PieceWriter, ns: _Namespace, add_generation_prompt: bool) -> None:
         # After tool results the template closes the block and prints no generation prompt.
         if ns.is_tool:
             p.special(OUTPUTS_END)
         elif add_generation_prompt:
             p.special(ASSISTANT)
 
-    def _assistant(self, p: Pieces, m: dict, i: int, ns: _Namespace) -> None:
+    def _assistant(self, p: PieceWriter, m: dict, i: int, ns: _Namespace) -> None:
         raise NotImplementedError
 
-    def _plain_assistant(self, p: Pieces, content: str, i: int, ns: _Namespace) -> None:
+    def _plain_assistant(self, p: PieceWriter, content: str, i: int, ns: _Namespace) -> None:
         """An assistant turn without tool calls; after tool outputs the block's end is its header."""
         if ns.is_tool:
             p.special(OUTPUTS_END, i)
@@ -308,7 +308,7 @@ class DeepSeekR1Renderer(_DeepSeekBase):
         p.special(CALLS_END, i, sampled=True)
         p.special(EOS, i, sampled=True)
 
-    def _tool_call(self, p: Pieces, call: dict, i: int) -> None:
+    def _tool_call(self, p: PieceWriter, call: dict, i: int) -> None:
         arguments = call["function"]["arguments"]
         if not isinstance(arguments, str):
             raise TemplateRejected(

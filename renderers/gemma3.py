@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Renderer, TemplateRejected
-from .pieces import Pieces
+from .pieces import Pieces, PieceWriter
 from .tokenizer import Tokenizer
 from .types import Break, BreakReason
 
@@ -65,7 +65,7 @@ class Gemma3Renderer(Renderer):
         if add_generation_prompt:
             self._generation_prompt(p)
 
-    def _turn(self, p: Pieces, msgs: list[dict], i: int, system_prefix: bool = False) -> None:
+    def _turn(self, p: PieceWriter, msgs: list[dict], i: int, system_prefix: bool = False) -> None:
         m = msgs[i]
         assistant = m["role"] == "assistant"
         p.special("<start_of_turn>", i)
@@ -77,7 +77,7 @@ class Gemma3Renderer(Renderer):
         p.special("<end_of_turn>", i, sampled=assistant)
         p.scaffold("\n", i)
 
-    def _generation_prompt(self, p: Pieces) -> None:
+    def _generation_prompt(self, p: PieceWriter) -> None:
         p.special("<start_of_turn>")
         p.scaffold("model\n")
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from .base import Renderer, TemplateRejected
 from .harmony_parse import HarmonyParsing
-from .pieces import Pieces
+from .pieces import PieceWriter
 from .tokenizer import Tokenizer
 
 DEFAULT_IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
@@ -303,7 +303,7 @@ class HarmonyRenderer(HarmonyParsing, Renderer):
 
     # ---- system and developer messages ---------------------------------------------------------
 
-    def _system_message(self, p: Pieces, tools: list[dict] | None) -> None:
+    def _system_message(self, p: PieceWriter, tools: list[dict] | None) -> None:
         kw = self.template_kwargs
         text = (
             kw.get("model_identity", DEFAULT_IDENTITY) + "\n"
@@ -319,7 +319,7 @@ class HarmonyRenderer(HarmonyParsing, Renderer):
         text += CHANNELS_LINE + (FUNCTIONS_LINE if tools else "")
         p.scaffold("<|start|>system<|message|>" + text + "<|end|>")
 
-    def _developer_message(self, p: Pieces, msgs: list[dict], tools: list[dict] | None) -> None:
+    def _developer_message(self, p: PieceWriter, msgs: list[dict], tools: list[dict] | None) -> None:
         has_system = msgs[0]["role"] == "system"
         instructions = msgs[0]["content"] if has_system else ""
         if not (instructions or tools):
@@ -351,12 +351,12 @@ class HarmonyRenderer(HarmonyParsing, Renderer):
         self._messages(p, msgs, 0, self._bridge_call_name, last_is_training=False)
         self._generation_prompt(p)
 
-    def _generation_prompt(self, p: Pieces) -> None:
+    def _generation_prompt(self, p: PieceWriter) -> None:
         p.special("<|start|>")
         p.scaffold("assistant")
 
     def _messages(
-        self, p: Pieces, msgs: list[dict], start: int, last_call: str | None, *, last_is_training: bool
+        self, p: PieceWriter, msgs: list[dict], start: int, last_call: str | None, *, last_is_training: bool
     ) -> str | None:
         """Messages ``start..`` (the template's loop_messages); returns the last tool call's name."""
         for i in range(start, len(msgs)):
@@ -379,7 +379,7 @@ class HarmonyRenderer(HarmonyParsing, Renderer):
         return last_call
 
     def _assistant(
-        self, p: Pieces, m: dict, i: int, last: bool, future_final: bool, last_call: str | None
+        self, p: PieceWriter, m: dict, i: int, last: bool, future_final: bool, last_call: str | None
     ) -> str | None:
         """One assistant message; returns the template's ``last_tool_call.name`` after it."""
         content = m.get("content")  # None: undefined in the template
@@ -413,12 +413,12 @@ class HarmonyRenderer(HarmonyParsing, Renderer):
         p.special("<|return|>" if last else "<|end|>", i, sampled=True)
         return last_call if last else None
 
-    def _analysis(self, p: Pieces, text: str, i: int) -> None:
+    def _analysis(self, p: PieceWriter, text: str, i: int) -> None:
         """An analysis message, then the next message's ``<|start|>assistant`` (both sampled: the
         model writes them after the generation prompt)."""
         p.wrapped("<|channel|>analysis<|message|>", text, "<|end|><|start|>assistant", i, sampled=True)
 
-    def _tool_result(self, p: Pieces, m: dict, i: int, function: str) -> None:
+    def _tool_result(self, p: PieceWriter, m: dict, i: int, function: str) -> None:
         p.scaffold("<|start|>functions.", i)
         p.text(function, i, content=False)
         p.wrapped(" to=assistant<|channel|>commentary<|message|>", tojson(m["content"]), "<|end|>", i)

@@ -22,7 +22,7 @@ from typing import Any
 
 from .base import Renderer, TemplateRejected, _tool_names, parse_json_call
 from .messages import MessageError, normalize_tools
-from .pieces import Pieces
+from .pieces import Pieces, PieceWriter
 from .tokenizer import Tokenizer
 from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCall, ToolCallStatus
 
@@ -57,7 +57,7 @@ class LlamaHeaders(Renderer):
     turn_close = "<|eot_id|>"
     extra_stop_tokens = ("<|eom_id|>", "<|end_of_text|>")
 
-    def _header(self, p: Pieces, role: str, i: int) -> None:
+    def _header(self, p: PieceWriter, role: str, i: int) -> None:
         p.scaffold(HEADER.format(role), i)
 
 
@@ -153,12 +153,12 @@ class Llama31Renderer(LlamaHeaders):
         if add_generation_prompt:
             self._header(p, "assistant", -1)
 
-    def _tool_definitions(self, p: Pieces, tools: list[dict]) -> None:
+    def _tool_definitions(self, p: PieceWriter, tools: list[dict]) -> None:
         for tool in tools:
             p.text(tojson(tool, indent=4), -1, content=False)
             p.scaffold("\n\n")
 
-    def _message(self, p: Pieces, msgs: list[dict], i: int) -> None:
+    def _message(self, p: PieceWriter, msgs: list[dict], i: int) -> None:
         m = msgs[i]
         role = m["role"]
         if role == "tool":  # a string is `iterable` to Jinja: the template JSON-encodes it
@@ -172,7 +172,7 @@ class Llama31Renderer(LlamaHeaders):
         else:
             p.wrapped(HEADER.format(role), m.get("content", "").strip(), "<|eot_id|>", i)
 
-    def _tool_call_turn(self, p: Pieces, m: dict, i: int) -> None:
+    def _tool_call_turn(self, p: PieceWriter, m: dict, i: int) -> None:
         if len(m["tool_calls"]) != 1:
             raise TemplateRejected(f"message {i}: This model only supports single tool-calls at once!")
         call = m["tool_calls"][0]["function"]

@@ -16,7 +16,7 @@ from typing import Any
 from .base import _tool_names, parse_json_call
 from .llama3 import LlamaHeaders, tojson
 from .messages import normalize_tools
-from .pieces import Pieces
+from .pieces import PieceWriter
 from .tokenizer import Tokenizer
 from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCall, ToolCallStatus
 
@@ -73,12 +73,12 @@ class NemotronSuperRenderer(LlamaHeaders):
         if add_generation_prompt:
             self._generation_prompt(p, thinking)
 
-    def _generation_prompt(self, p: Pieces, thinking: bool) -> None:
+    def _generation_prompt(self, p: PieceWriter, thinking: bool) -> None:
         self._header(p, "assistant", -1)
         if not thinking:
             p.scaffold(NO_THINK_PREFILL)
 
-    def _messages(self, p: Pieces, msgs: list[dict], prev_role: str | None) -> None:
+    def _messages(self, p: PieceWriter, msgs: list[dict], prev_role: str | None) -> None:
         for i, m in enumerate(msgs):
             role = m["role"]
             if role == "user":
@@ -100,7 +100,7 @@ class NemotronSuperRenderer(LlamaHeaders):
             # system messages render nothing in the loop (only the first one, above)
             prev_role = role
 
-    def _assistant(self, p: Pieces, m: dict, i: int) -> None:
+    def _assistant(self, p: PieceWriter, m: dict, i: int) -> None:
         content = m.get("content", "")  # undefined prints as ""
         if "</think>" in content:
             content = content.split("</think>")[-1].lstrip()

@@ -15,7 +15,7 @@ import unicodedata
 
 import numpy as np
 
-from .pieces import _RENDER_CACHE, _RENDER_CACHE_LIMIT, _RENDER_CACHE_TOKENS, Piece, Pieces, _Emitter
+from .pieces import _RENDER_CACHE, _RENDER_CACHE_LIMIT, _RENDER_CACHE_TOKENS, Piece, Pieces, PieceWriter
 from .tokenizer import Tokenizer
 from .types import RenderedTokens
 
@@ -29,7 +29,7 @@ _LONG_ITEMS = 300
 _JOINED_MAX_CHARS = 12000
 
 
-def new_pieces(tok: Tokenizer, messages: int) -> _Emitter:
+def new_pieces(tok: Tokenizer, messages: int) -> PieceWriter:
     """The implementation for a render of ``messages`` messages: from ``_LONG_MESSAGES`` on, one
     fastokens call and numpy attribution beat encoding run by run."""
     if messages >= _LONG_MESSAGES and tok.fast_encoder is not None:
@@ -41,7 +41,7 @@ def encode_pieces(tok: Tokenizer, items: list[Piece]) -> RenderedTokens:
     """Encode a list of pieces (the generic renderer builds its own). An empty text counts too: a token
     over it counts its attribution."""
     if len(items) >= _LONG_ITEMS and tok.fast_encoder is not None:
-        p: _Emitter = LongPieces(tok)
+        p: PieceWriter = LongPieces(tok)
     else:
         p = Pieces(tok)
     for value, message, content, sampled in items:
@@ -53,7 +53,7 @@ def encode_pieces(tok: Tokenizer, items: list[Piece]) -> RenderedTokens:
     return p.encode()  # type: ignore[attr-defined]
 
 
-class LongPieces(_Emitter):
+class LongPieces(PieceWriter):
     """Pieces kept in the form the vectorised encoding needs: text goes into the current run (the text
     between two special tokens); adjacent text of one run with the same attribution is one "span";
     special tokens (and blocks of the template's own tokens) are kept apart, each with the number of

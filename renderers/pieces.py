@@ -12,11 +12,11 @@ run comes from the encoder's character offsets. Scaffold text is split on added-
 template's ``<tool_call>`` in a tool preamble is the added token, as in the reference); message text
 never is, so a message quoting ``<|im_end|>`` stays ordinary text.
 
-Two implementations of one interface (``special``, ``scaffold``, ``text``, ``encode``), held to the
-same independent reference by tests/test_pieces.py: :class:`Pieces` encodes each run as soon as a
-special token ends it (what short renders and bridges want), and
-:class:`~tito_renderers.long_pieces.LongPieces` collects a long render and encodes it in one fastokens
-call with numpy attribution. :func:`~tito_renderers.long_pieces.new_pieces` picks one by the number of messages.
+Two implementations of one interface (:class:`PieceWriter`), held to the same independent reference
+by tests/test_pieces.py: :class:`Pieces` encodes each run as soon as a special token ends it (renders
+up to ~50 tool turns, and bridges), and :class:`~tito_renderers.long_pieces.LongPieces` collects a
+long render and encodes it in one fastokens call with numpy attribution;
+:func:`~tito_renderers.long_pieces.new_pieces` picks one by the number of messages.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ Piece = tuple[str | int, int, bool, bool]
 Split = tuple[str, "int | tuple[int, ...] | None", str]
 
 
-class _Emitter:
-    """The renderer-facing half of both implementations: a subclass says what a special token, a block
-    of the template's own tokens and a piece of text do."""
+class PieceWriter:
+    """What a renderer writes a conversation to (``special``, ``scaffold``, ``text``, ``wrapped``), the
+    half both implementations share; a subclass says what a special token, a block of the template's
+    own tokens and a piece of text do, and how ``encode`` turns them into tokens."""
 
     __slots__ = ("tok", "tok_key", "added", "splits", "message_text")
 
@@ -100,7 +101,7 @@ class _Emitter:
         raise NotImplementedError
 
 
-class Pieces(_Emitter):
+class Pieces(PieceWriter):
     """Pieces encoded run by run, as they come: a special token ends the current run, which is encoded
     (or found in the run cache) and attributed straight into the four output lists. Only the current
     run's text and its spans (adjacent text with one attribution) are kept."""
@@ -158,7 +159,7 @@ class Pieces(_Emitter):
         ts = splits.get(tail) or _split(self.tok, splits, tail)
         fast = self.fast
         if hs[1] is None or ts[1] is None or not text or fast is None:
-            _Emitter.wrapped(self, head, text, tail, message, sampled)
+            PieceWriter.wrapped(self, head, text, tail, message, sampled)
             return
         lead, block, before = hs  # type: ignore[misc]
         after, tail_block, trail = ts  # type: ignore[misc]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from .base import Renderer, TemplateRejected
-from .pieces import Pieces
+from .pieces import PieceWriter
 from .types import Break, BreakReason
 
 TOOLS_INTRO = (
@@ -51,14 +51,14 @@ class _QwenBase(Renderer):
     tool_call_tokens = ("<tool_call>", "</tool_call>")
     extra_stop_tokens = ("<|endoftext|>",)
 
-    def _tool_definitions(self, p: Pieces, tools: list[dict]) -> None:
+    def _tool_definitions(self, p: PieceWriter, tools: list[dict]) -> None:
         p.scaffold(TOOLS_INTRO)
         for tool in tools:
             p.scaffold("\n")
             p.text(tojson(tool), -1, content=False)
         p.scaffold(TOOLS_OUTRO)
 
-    def _tool_message(self, p: Pieces, msgs: list[dict], i: int, prev_role: str | None) -> None:
+    def _tool_message(self, p: PieceWriter, msgs: list[dict], i: int, prev_role: str | None) -> None:
         m = msgs[i]
         # consecutive tool results share one user turn; the fixed tokens go as one scaffold string each side
         last_of_turn = i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool"
@@ -69,7 +69,7 @@ class _QwenBase(Renderer):
             i,
         )
 
-    def _plain_turn(self, p: Pieces, m: dict, i: int) -> None:
+    def _plain_turn(self, p: PieceWriter, m: dict, i: int) -> None:
         text = _concat_content(m, i, self.name)
         role = m["role"]
         if role == "assistant":
@@ -80,7 +80,7 @@ class _QwenBase(Renderer):
         else:
             p.wrapped(_TURN_OPEN[role], text, "<|im_end|>\n", i)
 
-    def _tool_call(self, p: Pieces, call: dict, i: int, arguments_text: str, separator: str, last: bool) -> None:
+    def _tool_call(self, p: PieceWriter, call: dict, i: int, arguments_text: str, separator: str, last: bool) -> None:
         """One call; the last one closes the turn too (``<|im_end|>``, sampled)."""
         p.scaffold(_CALL_OPEN[separator], i, sampled=True)
         p.text(call["function"]["name"], i, sampled=True)
@@ -88,7 +88,7 @@ class _QwenBase(Renderer):
         p.text(arguments_text, i, sampled=True)
         p.scaffold("}\n</tool_call><|im_end|>" if last else "}\n</tool_call>", i, sampled=True)
 
-    def _messages(self, p: Pieces, msgs: list[dict], prev_role: str | None, first_is_skipped_system: bool) -> None:
+    def _messages(self, p: PieceWriter, msgs: list[dict], prev_role: str | None, first_is_skipped_system: bool) -> None:
         for i, m in enumerate(msgs):
             role = m["role"]
             if role == "user" or (role == "system" and not (i == 0 and first_is_skipped_system)):
@@ -99,7 +99,7 @@ class _QwenBase(Renderer):
                 self._tool_message(p, msgs, i, msgs[i - 1]["role"] if i > 0 else prev_role)
             prev_role = role
 
-    def _generation_prompt(self, p: Pieces) -> None:
+    def _generation_prompt(self, p: PieceWriter) -> None:
         p.scaffold("<|im_start|>assistant\n")
 
     def _continue(self, p, msgs, tools):
@@ -132,7 +132,7 @@ class Qwen25Renderer(_QwenBase):
         if add_generation_prompt:
             self._generation_prompt(p)
 
-    def _assistant(self, p: Pieces, msgs: list[dict], i: int) -> None:
+    def _assistant(self, p: PieceWriter, msgs: list[dict], i: int) -> None:
         m = msgs[i]
         if "tool_calls" not in m:
             self._plain_turn(p, m, i)
@@ -171,12 +171,12 @@ class Qwen3Renderer(_QwenBase):
         if add_generation_prompt:
             self._generation_prompt(p)
 
-    def _generation_prompt(self, p: Pieces) -> None:
+    def _generation_prompt(self, p: PieceWriter) -> None:
         super()._generation_prompt(p)
         if self.template_kwargs.get("enable_thinking") is False:
             p.scaffold("<think>\n\n</think>\n\n")
 
-    def _assistant(self, p: Pieces, msgs: list[dict], i: int) -> None:
+    def _assistant(self, p: PieceWriter, msgs: list[dict], i: int) -> None:
         m = msgs[i]
         content = m.get("content")  # None stands for Jinja's undefined
         reasoning = ""

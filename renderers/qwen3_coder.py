@@ -21,7 +21,7 @@ from typing import Any
 
 from .base import TemplateRejected
 from .messages import normalize_messages, normalize_tools
-from .pieces import Pieces
+from .pieces import Pieces, PieceWriter
 from .qwen import _QwenBase, tojson
 from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCall, ToolCallStatus
 
@@ -107,7 +107,7 @@ class Qwen3CoderRenderer(_QwenBase):
         if add_generation_prompt:
             self._generation_prompt(p)
 
-    def _tool_definitions(self, p: Pieces, tools: list[dict]) -> None:
+    def _tool_definitions(self, p: PieceWriter, tools: list[dict]) -> None:
         def text(value: Any) -> None:  # text from the tool definitions: never an added token
             p.text(jinja_str(value), -1, content=False)
 
@@ -158,7 +158,7 @@ class Qwen3CoderRenderer(_QwenBase):
             p.scaffold("\n</function>")
         p.scaffold(TOOLS_OUTRO)
 
-    def _messages(self, p: Pieces, msgs: list[dict], prev_role: str | None, first_is_skipped_system: bool) -> None:
+    def _messages(self, p: PieceWriter, msgs: list[dict], prev_role: str | None, first_is_skipped_system: bool) -> None:
         """The template's loop. ``prev_role`` is the role of the loop's previous item, None when the
         first message is the loop's first item (then a tool result gets no ``<|im_start|>user`` header)."""
         start = 1 if first_is_skipped_system else 0
@@ -173,7 +173,7 @@ class Qwen3CoderRenderer(_QwenBase):
                 self._plain_turn(p, m, i)  # rejects a missing content, as the template's concatenation does
             prev_role = role
 
-    def _assistant_tool_calls(self, p: Pieces, m: dict, i: int) -> None:
+    def _assistant_tool_calls(self, p: PieceWriter, m: dict, i: int) -> None:
         p.special("<|im_start|>", i)
         p.scaffold("assistant\n", i)  # this "\n" is the generation prompt's: the model samples what follows
         content = m.get("content", "").strip()
@@ -195,7 +195,7 @@ class Qwen3CoderRenderer(_QwenBase):
         p.special("<|im_end|>", i, sampled=True)
         p.scaffold("\n", i)
 
-    def _tool_result(self, p: Pieces, msgs: list[dict], i: int, prev_role: str | None) -> None:
+    def _tool_result(self, p: PieceWriter, msgs: list[dict], i: int, prev_role: str | None) -> None:
         if prev_role is not None and prev_role != "tool":
             p.special("<|im_start|>", i)
             p.scaffold("user\n", i)
