@@ -34,10 +34,11 @@ from .types import RenderedTokens
 # A piece: (text or token id, message index, is content, sampled)
 Piece = tuple[str | int, int, bool, bool]
 # A scaffold string split on added tokens: the text before its first added token (joins the current
-# run), the tokens from its first added token through its last one (None if it has none; one id, or a
-# tuple of the added tokens and the ids of the text between them, which are whole runs) and the text
-# after the last one (starts a run).
-Split = tuple[str, "int | tuple[int, ...] | None", str]
+# run) and its ids as a whole run, the tokens from its first added token through its last one (None if
+# it has none; one id, or a tuple of the added tokens and the ids of the text between them, which are
+# whole runs), and the text after the last one (starts a run) with its ids as a whole run. The ids of
+# lead and trail are what a run holding nothing else encodes to (the common case: "\n" between turns).
+Split = tuple[str, list[int], "int | tuple[int, ...] | None", str, list[int]]
 
 
 class PieceWriter:
@@ -67,7 +68,7 @@ class PieceWriter:
         split = self.splits.get(text)
         if split is None:
             split = _split(self.tok, self.splits, text)
-        lead, block, trail = split
+        lead, _, block, trail, _ = split
         if lead:
             self._text(lead, message, False, sampled)
         if block is not None:
@@ -106,7 +107,7 @@ class Pieces(PieceWriter):
     (or found in the run cache) and attributed straight into the four output lists. Only the current
     run's text and its spans (adjacent text with one attribution) are kept."""
 
-    __slots__ = ("fast", "ids", "msg", "sampled", "content", "parts", "ends", "attrs", "last", "pos")
+    __slots__ = ("fast", "ids", "msg", "sampled", "content", "parts", "ends", "attrs", "last", "pos", "pending")
 
     def __init__(self, tok: Tokenizer) -> None:
         super().__init__(tok)
@@ -120,18 +121,58 @@ class Pieces(PieceWriter):
         self.attrs: list[tuple[int, bool, bool]] = []  # (message, content, sampled) of each span
         self.last: tuple[int, bool, bool] | None = None
         self.pos = 0
+        # template text that starts the current run, not yet in it: (text, its ids as a whole run,
+        # message, sampled). A special token next makes it the whole run, whose ids are known; any
+        # other text makes it the run's first piece (never both pending and parts).
+        self.pending: tuple[str, list[int], int, bool] | None = None
+
+    def scaffold(self, text: str, message: int = -1, sampled: bool = False) -> None:
+        split = self.splits.get(text)
+        if split is None:
+            split = _split(self.tok, self.splits, text)
+        lead, lead_ids, block, trail, trail_ids = split
+        if lead:
+            if self.parts or self.pending is not None:
+                self._text(lead, message, False, sampled)
+            elif block is None:
+                self.pending = (lead, lead_ids, message, sampled)
+            else:  # the block ends the run right away: the run is the lead alone
+                self._known(lead_ids, message, sampled)
+        if block is not None:
+            if block.__class__ is int:
+                self._special(block, message, sampled)  # type: ignore[arg-type]
+            else:
+                self._block(block, message, sampled)  # type: ignore[arg-type]
+            if trail:
+                self.pending = (trail, trail_ids, message, sampled)
+
+    def _known(self, ids: list[int], message: int, sampled: bool) -> None:
+        """A whole run of the template's own text, its ids known."""
+        n = len(ids)
+        self.ids += ids
+        self.msg += [message] * n
+        self.sampled += [sampled] * n
+        self.content += [False] * n
+
+    def _end_run(self) -> None:
+        pending = self.pending
+        if pending is not None:
+            self.pending = None
+            self._known(pending[1], pending[2], pending[3])
+        elif self.parts:
+            self._flush()
 
     def _special(self, tid: int, message: int, sampled: bool) -> None:
-        if self.parts:
-            self._flush()
+        if self.parts or self.pending is not None:
+            self._end_run()
         self.ids.append(tid)
         self.msg.append(message)
         self.sampled.append(sampled)
         self.content.append(False)
 
     def _block(self, ids: tuple[int, ...], message: int, sampled: bool) -> None:
-        if self.parts:
-            self._flush()
+        if self.parts or self.pending is not None:
+            self._end_run()
         n = len(ids)
         self.ids += ids
         self.msg += [message] * n
@@ -140,6 +181,10 @@ class Pieces(PieceWriter):
 
     def _text(self, text: str, message: int, content: bool, sampled: bool) -> None:
         # once per piece of every render: no attribute looked up twice
+        if self.pending is not None:  # text joins the pending template text: it is the run's first piece
+            pending_text, _, pending_message, pending_sampled = self.pending
+            self.pending = None
+            self._text(pending_text, pending_message, False, pending_sampled)
         self.parts.append(text)
         pos = self.pos = self.pos + len(text)
         attr = (message, content, sampled)
@@ -158,13 +203,16 @@ class Pieces(PieceWriter):
         hs = splits.get(head) or _split(self.tok, splits, head)
         ts = splits.get(tail) or _split(self.tok, splits, tail)
         fast = self.fast
-        if hs[1] is None or ts[1] is None or not text or fast is None:
+        if hs[2] is None or ts[2] is None or not text or fast is None:
             PieceWriter.wrapped(self, head, text, tail, message, sampled)
             return
-        lead, block, before = hs  # type: ignore[misc]
-        after, tail_block, trail = ts  # type: ignore[misc]
+        lead, lead_ids, block, before, _ = hs
+        after, _, tail_block, trail, trail_ids = ts
         if lead:
-            self._text(lead, message, False, sampled)
+            if self.parts or self.pending is not None:
+                self._text(lead, message, False, sampled)
+            else:
+                self._known(lead_ids, message, sampled)
         if block.__class__ is int:
             self._special(block, message, sampled)  # type: ignore[arg-type]
         else:
@@ -197,7 +245,7 @@ class Pieces(PieceWriter):
         else:
             self._block(tail_block, message, sampled)  # type: ignore[arg-type]
         if trail:
-            self._text(trail, message, False, sampled)
+            self.pending = (trail, trail_ids, message, sampled)
 
     def _flush(self) -> None:
         """Encode the current run and attribute its tokens."""
@@ -243,8 +291,7 @@ class Pieces(PieceWriter):
         self.message_text = False
 
     def encode(self) -> RenderedTokens:
-        if self.parts:
-            self._flush()
+        self._end_run()
         return RenderedTokens(token_ids=self.ids, message_indices=self.msg, sampled_mask=self.sampled, is_content=self.content)
 
 
@@ -312,21 +359,22 @@ def _split(tok: Tokenizer, splits: dict[str, Split], text: str) -> Split:
     parts = tok.split_added(text)
     at = [k for k, part in enumerate(parts) if part.__class__ is int]
     if not at:
-        split: Split = (text, None, "")
+        split: Split = (text, tok.encode_plain_ids(text), None, "", [])
     else:
         first, last = at[0], at[-1]
         lead = "".join(parts[:first])  # type: ignore[arg-type]
         trail = "".join(parts[last + 1 :])  # type: ignore[arg-type]
         if first == last:
-            split = (lead, parts[first], trail)  # type: ignore[assignment]
+            block: int | tuple[int, ...] = parts[first]  # type: ignore[assignment]
         else:  # the text between two added tokens is a whole run: encoded here, once
-            block: list[int] = []
+            ids: list[int] = []
             for part in parts[first : last + 1]:
                 if part.__class__ is int:
-                    block.append(part)  # type: ignore[arg-type]
+                    ids.append(part)  # type: ignore[arg-type]
                 else:
-                    block += tok.encode_plain_ids(part)  # type: ignore[arg-type]
-            split = (lead, tuple(block), trail)
+                    ids += tok.encode_plain_ids(part)  # type: ignore[arg-type]
+            block = tuple(ids)
+        split = (lead, tok.encode_plain_ids(lead), block, trail, tok.encode_plain_ids(trail))
     if len(splits) >= _CACHE_LIMIT:
         splits.clear()
     if len(text) < 512:
