@@ -92,6 +92,18 @@ class PieceWriter:
         self.text(text, message, sampled)
         self.scaffold(tail, message, sampled)
 
+    def fields(self, head: str, texts: tuple[str, ...], separators: tuple[str, ...], tail: str, message: int,
+               sampled: bool = False) -> None:
+        """``scaffold(head)``, then the message's ``texts`` with ``separators[k]`` (scaffold) between
+        ``texts[k]`` and ``texts[k + 1]``, then ``scaffold(tail)``, all of one message and one sampled
+        flag: a tool call's name and arguments inside the template's JSON, say."""
+        self.scaffold(head, message, sampled)
+        for k, text in enumerate(texts):
+            if k:
+                self.scaffold(separators[k - 1], message, sampled)
+            self.text(text, message, sampled)
+        self.scaffold(tail, message, sampled)
+
     def _special(self, tid: int, message: int, sampled: bool) -> None:
         raise NotImplementedError
 
@@ -240,6 +252,80 @@ class Pieces(PieceWriter):
             self.content += [False] * a
             self.content += [True] * (n - a - b)
             self.content += [False] * b
+        if tail_block.__class__ is int:
+            self._special(tail_block, message, sampled)  # type: ignore[arg-type]
+        else:
+            self._block(tail_block, message, sampled)  # type: ignore[arg-type]
+        if trail:
+            self.pending = (trail, trail_ids, message, sampled)
+
+    def fields(self, head: str, texts: tuple[str, ...], separators: tuple[str, ...], tail: str, message: int,
+               sampled: bool = False) -> None:
+        # as wrapped: where head and tail hold an added token and no separator does, the run between
+        # them is known whole, and with one owner only the content flag varies: a token is content if
+        # it overlaps a text (no spans kept, no per-span attribution)
+        splits = self.splits
+        hs = splits.get(head) or _split(self.tok, splits, head)
+        ts = splits.get(tail) or _split(self.tok, splits, tail)
+        fast = self.fast
+        plain = hs[2] is not None and ts[2] is not None and fast is not None
+        for sep in separators:
+            if (splits.get(sep) or _split(self.tok, splits, sep))[2] is not None:
+                plain = False  # an added token in a separator would end the run there
+        if not plain:
+            PieceWriter.fields(self, head, texts, separators, tail, message, sampled)
+            return
+        lead, lead_ids, block, before, _ = hs
+        after, _, tail_block, trail, trail_ids = ts
+        if lead:
+            if self.parts or self.pending is not None:
+                self._text(lead, message, False, sampled)
+            else:
+                self._known(lead_ids, message, sampled)
+        if block.__class__ is int:
+            self._special(block, message, sampled)  # type: ignore[arg-type]
+        else:
+            self._block(block, message, sampled)  # type: ignore[arg-type]
+        pieces = [before]
+        span_ends = [len(before)]
+        for k, text in enumerate(texts):
+            if k:
+                pieces.append(separators[k - 1])
+                span_ends.append(span_ends[-1] + len(separators[k - 1]))
+            pieces.append(text)
+            span_ends.append(span_ends[-1] + len(text))
+        pieces.append(after)
+        run = "".join(pieces)
+        span_ends.append(len(run))
+        key = (self.tok_key, run)
+        hit = _RUN_CACHE.get(key)
+        run_ids = fast.try_ids(run) if hit is None else hit[0] if hit[1] is None else None
+        ends = None if run_ids is None else fast.ends_at(run_ids, run, span_ends)
+        if ends is None:  # not fastokens' to encode, or byte lengths that do not add up: the general path
+            self.message_text = True
+            for k, piece in enumerate(pieces):
+                if piece:
+                    self._text(piece, message, k % 2 == 1, sampled)  # texts sit at the odd places
+        else:
+            if hit is None:
+                _remember(_RUN_CACHE, key, (run_ids, None))  # type: ignore[arg-type]
+            n = len(run_ids)  # type: ignore[arg-type]
+            self.ids += run_ids  # type: ignore[arg-type]
+            self.msg += [message] * n
+            self.sampled += [sampled] * n
+            content = self.content
+            t = 0  # tokens flagged so far
+            for j in range(1, len(span_ends), 2):  # the texts' spans: [span_ends[j - 1], span_ends[j])
+                start, end = span_ends[j - 1], span_ends[j]
+                if end > start:
+                    first = max(bisect_right(ends, start), t)  # the first token that ends inside the text
+                    k = bisect_right(ends, end, first)  # past the tokens that end inside it ...
+                    hi = k + 1 if k < n and (k == 0 or ends[k - 1] < end) else k  # ... and one crossing its end
+                    if hi > first:
+                        content += [False] * (first - t)
+                        content += [True] * (hi - first)
+                        t = hi
+            content += [False] * (n - t)
         if tail_block.__class__ is int:
             self._special(tail_block, message, sampled)  # type: ignore[arg-type]
         else:

@@ -29,6 +29,7 @@ QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpf
 # a turn's opening tokens, as one scaffold string (see Pieces.scaffold)
 _TURN_OPEN = {role: f"<|im_start|>{role}\n" for role in ("system", "user", "assistant")}
 _CALL_OPEN = {sep: sep + '<tool_call>\n{"name": "' for sep in ("", "\n")}
+_CALL_MIDDLE = ('", "arguments": ',)
 
 _JSON = json.JSONEncoder(ensure_ascii=False)  # what json.dumps(value, ensure_ascii=False) builds on each call
 
@@ -82,11 +83,8 @@ class _QwenBase(Renderer):
 
     def _tool_call(self, p: PieceWriter, call: dict, i: int, arguments_text: str, separator: str, last: bool) -> None:
         """One call; the last one closes the turn too (``<|im_end|>``, sampled)."""
-        p.scaffold(_CALL_OPEN[separator], i, sampled=True)
-        p.text(call["function"]["name"], i, sampled=True)
-        p.scaffold('", "arguments": ', i, sampled=True)
-        p.text(arguments_text, i, sampled=True)
-        p.scaffold("}\n</tool_call><|im_end|>" if last else "}\n</tool_call>", i, sampled=True)
+        p.fields(_CALL_OPEN[separator], (call["function"]["name"], arguments_text), _CALL_MIDDLE,
+                 "}\n</tool_call><|im_end|>" if last else "}\n</tool_call>", i, sampled=True)
 
     def _messages(self, p: PieceWriter, msgs: list[dict], prev_role: str | None, first_is_skipped_system: bool) -> None:
         for i, m in enumerate(msgs):

@@ -54,10 +54,13 @@ def _reference(tok, ops) -> tuple[list[int], list[int], list[bool], list[bool]]:
     covers no character: it goes with the character it completes."""
     items: list[tuple[str | int, int, bool, bool]] = []
     for kind, value, message, sampled, content in ops:
-        if kind == "wrapped":  # scaffold, message text, scaffold
-            head, text, tail = value
+        if kind in ("wrapped", "fields"):  # scaffold, message texts (scaffold between them), scaffold
+            head, texts, separators, tail = (value[0], (value[1],), (), value[2]) if kind == "wrapped" else value
             items += [(part, message, False, sampled) for part in _split(tok, head)]
-            items += [(text, message, True, sampled)] if text else []
+            for k, text in enumerate(texts):
+                if k:
+                    items += [(part, message, False, sampled) for part in _split(tok, separators[k - 1])]
+                items += [(text, message, True, sampled)] if text else []
             items += [(part, message, False, sampled) for part in _split(tok, tail)]
         elif kind == "special":
             items.append((tok.added_tokens[value], message, False, sampled))
@@ -113,7 +116,13 @@ def _random_ops(tok, rng: random.Random, n: int) -> list[tuple]:
                           + rng.choice(("\n", "", "user\n", " ")) for _ in range(2))
             pool = DECLINED if rng.random() < 0.01 else (LONG_TEXT,) if rng.random() < 0.2 else TEXTS
             text = "".join(rng.choice(pool) for _ in range(rng.randrange(0, 4)))
-            ops.append(("wrapped", (head, text, tail), message, sampled, True))
+            if rng.random() < 0.5:
+                ops.append(("wrapped", (head, text, tail), message, sampled, True))
+            else:  # several texts, scaffold between them (a separator holding an added token now and then)
+                texts = tuple("".join(rng.choice(pool) for _ in range(rng.randrange(0, 3))) for _ in range(rng.randrange(1, 4)))
+                separators = tuple(rng.choice(('", "arguments": ', " ", "", "\n", f"{rng.choice(specials)}" if rng.random() < 0.1 else ","))
+                                   for _ in texts[1:])
+                ops.append(("fields", (head, texts, separators, tail), message, sampled, True))
         elif kind < 0.3:  # a turn's fixed tokens as one scaffold string: a block of tokens inside it
             a, b = rng.choice(specials), rng.choice(specials)
             ops.append(("scaffold", rng.choice(("", "\n")) + f"{a}\n{b}user" + rng.choice(("", "\n", f"{a}")), message, sampled, False))
@@ -130,6 +139,8 @@ def _apply(p, ops):
     for kind, value, message, sampled, content in ops:
         if kind == "wrapped":
             p.wrapped(*value, message, sampled)
+        elif kind == "fields":
+            p.fields(*value, message, sampled)
         elif kind == "special":
             p.special(value, message, sampled)
         elif kind == "scaffold":
