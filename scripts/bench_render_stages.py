@@ -6,8 +6,8 @@ For 1 and 10 tool turns (code and multilingual tool results), every render on ne
 the encoding caches of message text emptied first, it prints the mean us of: message normalisation,
 a render run by run (``Pieces``: the renderer's Python with each run encoded and attributed as it
 ends), the same render collected (``LongPieces``: building the pieces, then one fastokens call, numpy
-attribution and the four lists), and fastokens alone on the same runs right after (a lower bound: its
-word cache is warm). It also times the two ways of calling fastokens on
+attribution and the four lists), fastokens alone on the same runs right after (a lower bound: its
+word cache is warm), and the run-by-run render without the tool definitions. It also times the two ways of calling fastokens on
 one render's runs, in place, alternating their order: one batch call (``encode_batch_flat``, a thread
 pool) and one call in this thread (``encode_segments``). Means of in-place timings are what this
 answers; ratios between rows of one run are the figures to read on a noisy machine.
@@ -35,7 +35,8 @@ from tito_renderers.pieces import Pieces, clear_caches  # noqa: E402
 
 def stages(r, tok, msgs: list[dict], renders: int) -> dict[str, float]:
     fast = tok.fast_encoder
-    names = ("normalise", "run by run", "long: pieces", "long: encode", "fastokens alone", "batch call", "this thread")
+    names = ("normalise", "run by run", "long: pieces", "long: encode", "fastokens alone", "run by run, no tools",
+             "batch call", "this thread")
     total = dict.fromkeys(names, 0.0)
     clock = time.perf_counter
     tools = normalize_tools(bench.TOOLS)
@@ -59,7 +60,12 @@ def stages(r, tok, msgs: list[dict], renders: int) -> dict[str, float]:
         clear_caches()
         fast.joined(long.runs)  # the same runs once more: what the encoder alone costs (its word cache warm)
         t5 = clock()
-        for name, dt in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=False):
+        clear_caches()
+        p = Pieces(tok)  # the same render without tool definitions: what they cost
+        r._render(p, normalized, None, False)
+        p.encode()
+        t6 = clock()
+        for name, dt in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5), strict=False):
             total[name] += dt
         r.render(bench.unique(msgs, f"between{i}"), bench.TOOLS)  # other work between the two calls, as in use
         calls = (("batch call", fast.flat), ("this thread", fast.joined))
