@@ -263,7 +263,8 @@ class Pieces(PieceWriter):
                sampled: bool = False) -> None:
         # as wrapped: where head and tail hold an added token and no separator does, the run between
         # them is known whole, and with one owner only the content flag varies: a token is content if
-        # it overlaps a text (no spans kept, no per-span attribution)
+        # it overlaps a text (no spans kept, no per-span attribution). The head and tail are handled as
+        # in wrapped, written out again: helpers shared by the two measured 0.97-0.99x on cold renders.
         splits = self.splits
         hs = splits.get(head) or _split(self.tok, splits, head)
         ts = splits.get(tail) or _split(self.tok, splits, tail)
