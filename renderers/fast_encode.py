@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
+from collections.abc import Sequence
 from itertools import accumulate
 from operator import itemgetter
 from typing import Any
@@ -212,24 +213,18 @@ class FastEncoder:
 
     def encode(self, text: str) -> tuple[list[int], list[int]]:
         """Ids and each token's end offset, as ``Tokenizer.encode_plain_with_ends``."""
-        if self._nfc and not text.isascii() and not unicodedata.is_normalized("NFC", text):
+        ids = self.try_ids(text)
+        ends = None if ids is None else self.ends_at(ids, text, ())  # no spans: every end exact
+        if ends is None:
             return library_encode(self._plain, text)
-        try:
-            ids = self._fast.encode(text).ids
-        except ValueError:  # e.g. a byte the vocabulary has no token for (SmolLM2's GGUF conversion)
-            return library_encode(self._plain, text)
-        return self._ends(text, ids)
+        return ids, ends  # type: ignore[return-value]
 
     def ids(self, text: str) -> list[int]:
         """The ids of :meth:`encode`, without computing the end offsets."""
-        if self._nfc and not text.isascii() and not unicodedata.is_normalized("NFC", text):
-            return self._plain.encode(text, add_special_tokens=False).ids
-        try:
-            return self._fast.encode(text).ids
-        except ValueError:  # a byte the vocabulary has no token for
-            return self._plain.encode(text, add_special_tokens=False).ids
+        ids = self.try_ids(text)
+        return ids if ids is not None else self._plain.encode(text, add_special_tokens=False).ids
 
-    def ends_at(self, ids: list[int], text: str, span_ends: list[int]) -> list[int] | None:
+    def ends_at(self, ids: list[int], text: str, span_ends: Sequence[int]) -> list[int] | None:
         """End offsets of ``text``'s tokens ``ids`` (fastokens' own, from :meth:`try_ids`) good for
         attributing them to spans that end at ``span_ends`` (characters, increasing, the last one
         ``len(text)``), or None where the ids' byte lengths do not add up to the text's (the tokenizers
@@ -252,15 +247,11 @@ class FastEncoder:
         total = len(text)
         exact = n < _EXACT_BELOW or len(span_ends) < 2
         if exact or not self._byte_level:
-            get = itemgetter(*ids) if n > 1 else None  # one C call for every id's count
-            per: tuple[int, ...] = get(table) if get else (table[ids[0]],)
-            if not ascii_text and (sum(get(self._lengths)) if get else self._lengths[ids[0]]) != len(text.encode("utf-8")):
+            per = self._counts(ids, text, table, ascii_text)
+            if per is None:
                 return None
             if exact:
-                ends = list(accumulate(per))
-                return ends if ends[-1] == total else None
-            if sum(per) != total:
-                return None
+                return list(accumulate(per))
         longest, start_l, end_l, prev = 0, 0, 0, 0
         for end in span_ends:
             if end - prev > longest:
@@ -298,13 +289,8 @@ class FastEncoder:
         ascii_text = text.isascii()
         table = self._lengths if ascii_text else self._starts
         total = len(text)
-        if not self._byte_level or n < _EXACT_BELOW:
-            get = itemgetter(*ids) if n > 1 else None
-            per = get(table) if get else (table[ids[0]],)
-            if sum(per) != total:
-                return None
-            if not ascii_text and (sum(get(self._lengths)) if get else self._lengths[ids[0]]) != len(text.encode("utf-8")):
-                return None
+        if (not self._byte_level or n < _EXACT_BELOW) and self._counts(ids, text, table, ascii_text) is None:
+            return None
         a, cum = 0, 0
         while a < n:
             cum += table[ids[a]]
@@ -330,15 +316,13 @@ class FastEncoder:
         except ValueError:
             return None
 
-    def _ends(self, text: str, ids: list[int]) -> tuple[list[int], list[int]]:
-        if self._unk is not None and self._unk in ids:
-            return library_encode(self._plain, text)  # the unknown token's length is not its text's
-        if text.isascii():  # a byte is a character
-            ends = list(accumulate(map(self._lengths.__getitem__, ids)))
-            if (ends[-1] if ends else 0) == len(text):
-                return ids, ends
-            return library_encode(self._plain, text)
-        ends = list(accumulate(map(self._starts.__getitem__, ids)))  # characters, see starts_np
-        if (ends[-1] if ends else 0) != len(text) or sum(map(self._lengths.__getitem__, ids)) != len(text.encode("utf-8")):
-            return library_encode(self._plain, text)
-        return ids, ends
+    def _counts(self, ids: list[int], text: str, table: list[int], ascii_text: bool) -> tuple[int, ...] | None:
+        """Each token's characters (``table``: byte lengths for ASCII text, character starts otherwise),
+        or None where they do not add up to the text's length, or the byte lengths to its UTF-8 length."""
+        get = itemgetter(*ids) if len(ids) > 1 else None  # one C call for every id's count
+        per: tuple[int, ...] = get(table) if get else (table[ids[0]],)
+        if sum(per) != len(text):
+            return None
+        if not ascii_text and (sum(get(self._lengths)) if get else self._lengths[ids[0]]) != len(text.encode("utf-8")):
+            return None
+        return per

@@ -62,7 +62,7 @@ def _tool_call(call: Any, index: int, j: int) -> dict:
     if not isinstance(name, str) or not name:
         raise MessageError(f"message {index}.tool_calls[{j}] has no function name")
     arguments = function.get("arguments", {})
-    if arguments.__class__ is dict or (arguments is not None and _is_mapping(arguments)):
+    if _is_mapping(arguments):
         arguments = dict(arguments)
     elif arguments is None:
         arguments = {}
