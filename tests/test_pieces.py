@@ -226,8 +226,8 @@ def test_text_fastokens_refuses_goes_to_the_library(tokenizers):
 
 
 def test_long_renders_are_collected(tokenizers):
-    """Renders of many messages go through LongPieces, short ones and bridges run by run; both give the
-    tokens transformers' template gives (the parity suites), and here the same attribution."""
+    """Renders of many messages go through LongPieces, shorter ones run by run (the test above holds both
+    to one reference; the parity suites hold the renders to transformers')."""
     tok = tokenizers.get("qwen3-0.6b").ours
     assert isinstance(L.new_pieces(tok, L._LONG_MESSAGES), L.LongPieces)
     assert isinstance(L.new_pieces(tok, L._LONG_MESSAGES - 1), P.Pieces)
