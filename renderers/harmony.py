@@ -27,11 +27,11 @@ What the template does that matters for token identity (each mirrored below):
 from __future__ import annotations
 
 import datetime
-import json
 from typing import Any
 
 from .base import Renderer, TemplateRejected
 from .harmony_parse import HarmonyParsing
+from .json_text import tojson
 from .pieces import PieceWriter
 from .tokenizer import Tokenizer
 
@@ -127,11 +127,6 @@ def concat(what: str, *parts: Any) -> str:
                 f"the gpt-oss template concatenates {what}, which is a {type(part).__name__}, not text"
             )
     return "".join(parts)
-
-
-def tojson(value: Any) -> str:
-    """transformers' ``tojson`` filter."""
-    return json.dumps(value, ensure_ascii=False)
 
 
 def _contains(container: Any, item: str, what: str) -> bool:

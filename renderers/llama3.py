@@ -15,12 +15,12 @@ Each method mirrors a branch of its template, including Jinja's treatment of a m
 from __future__ import annotations
 
 import ast
-import json
 import re
 from datetime import datetime
 from typing import Any
 
 from .base import Renderer, TemplateRejected, _tool_names, parse_json_call
+from .json_text import tojson
 from .messages import MessageError, normalize_tools
 from .pieces import Pieces, PieceWriter
 from .tokenizer import Tokenizer
@@ -44,11 +44,6 @@ BUILTIN_TOOLS = frozenset({"brave_search", "wolfram_alpha", "code_interpreter"})
 # first key is "name", as the template renders calls. Other JSON answers stay content.
 _JSON_CALL_START = re.compile(r'\s*\{\s*"name"\s*:')
 _BUILTIN_CALL = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.call\((.*)\)", re.S)
-
-
-def tojson(value: Any, indent: int | None = None) -> str:
-    """transformers' ``tojson`` filter."""
-    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 class LlamaHeaders(Renderer):

@@ -14,7 +14,8 @@ from bisect import bisect_right
 from typing import Any
 
 from .base import _tool_names, parse_json_call
-from .llama3 import LlamaHeaders, tojson
+from .json_text import tojson
+from .llama3 import LlamaHeaders
 from .messages import normalize_tools
 from .pieces import PieceWriter
 from .tokenizer import Tokenizer

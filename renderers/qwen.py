@@ -8,9 +8,8 @@ no content (undefined: empty when printed, an error when concatenated).
 
 from __future__ import annotations
 
-import json
-
 from .base import Renderer, TemplateRejected
+from .json_text import tojson
 from .pieces import PieceWriter
 from .types import Break, BreakReason
 
@@ -30,14 +29,6 @@ QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpf
 _TURN_OPEN = {role: f"<|im_start|>{role}\n" for role in ("system", "user", "assistant")}
 _CALL_OPEN = {sep: sep + '<tool_call>\n{"name": "' for sep in ("", "\n")}
 _CALL_MIDDLE = ('", "arguments": ',)
-
-_JSON = json.JSONEncoder(ensure_ascii=False)  # what json.dumps(value, ensure_ascii=False) builds on each call
-
-
-def tojson(value) -> str:
-    """transformers' ``tojson`` filter: ``json.dumps`` with ``ensure_ascii=False`` and default separators."""
-    return _JSON.encode(value)
-
 
 def _concat_content(m: dict, i: int, family: str) -> str:
     """``... + message.content`` in the template: an undefined content is a render error."""

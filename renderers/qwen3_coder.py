@@ -20,9 +20,10 @@ import re
 from typing import Any
 
 from .base import TemplateRejected
+from .json_text import tojson
 from .messages import normalize_messages, normalize_tools
 from .pieces import Pieces, PieceWriter
-from .qwen import _QwenBase, tojson
+from .qwen import _QwenBase
 from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCall, ToolCallStatus
 
 DEFAULT_SYSTEM = "You are Qwen, a helpful AI assistant that can interact with a computer to solve tasks."

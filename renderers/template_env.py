@@ -15,7 +15,6 @@ reprs) and offers the str/dict methods templates call; ``loop.*``, ``namespace``
 
 from __future__ import annotations
 
-import json
 import re
 from datetime import datetime
 from functools import lru_cache
@@ -24,18 +23,12 @@ from typing import Any
 import minijinja
 
 from .base import TemplateRejected
+from .json_text import tojson
 
 # What transformers passes besides the caller's kwargs (a kwarg of the same name would override them)
 RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 # Globals the environment provides: not template kwargs
 HELPERS = frozenset({"raise_exception", "strftime_now", "namespace", "dict", "range", "lipsum", "cycler", "joiner"})
-
-
-def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
-    """transformers' ``tojson`` filter (no HTML escaping, unlike Jinja2's own)."""
-    if isinstance(separators, list):
-        separators = tuple(separators)
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class _TemplateRaised(Exception):

@@ -6,13 +6,17 @@ against transformers and the hand-coded renderers: tests/test_generic_bridge.py.
 from __future__ import annotations
 
 import hashlib
+import json
 from datetime import datetime
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tito_renderers as renderers
 from tito_renderers import Break, BreakReason, Bridged, TemplateRejected, ToolCallStatus
-from tito_renderers.template_env import ChatTemplate, defuse_template_source, tojson
+from tito_renderers.json_text import tojson
+from tito_renderers.template_env import ChatTemplate, defuse_template_source
 
 from ._support import fixtures_dir, ours, reference
 from .convgen import generate
@@ -185,6 +189,35 @@ def test_helpers_match_transformers() -> None:
         "{% if '<#/think>' in c %}{{ c.split('<#/think>')[0] }}</think>{% endif %}"
     )
 
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=6) | st.integers() | st.booleans() | st.none(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON_VALUES)
+def test_tojson_is_json_dumps(value) -> None:
+    """The filter's prebuilt C encoder (no options) prints what ``json.dumps(ensure_ascii=False)`` does,
+    NaN, infinities, non-string keys and any script included."""
+    assert tojson(value) == json.dumps(value, ensure_ascii=False)
+
+
+def test_tojson_errors_are_json_dumps_errors() -> None:
+    circular: list = []
+    circular.append(circular)
+    with pytest.raises(ValueError, match="Circular reference"):
+        tojson(circular)
+    for bad in ({(1, 2): 3}, {"a": {1, 2}}, object()):
+        with pytest.raises(TypeError) as ours_error:
+            tojson(bad)
+        with pytest.raises(TypeError) as reference:
+            json.dumps(bad, ensure_ascii=False)
+        assert str(ours_error.value) == str(reference.value)
 
 # ---- attribution -------------------------------------------------------------------------------
 

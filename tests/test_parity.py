@@ -35,7 +35,7 @@ import pytest
 
 import tito_renderers as renderers
 from tito_renderers.chatml import CHATML_TEMPLATE
-from tito_renderers.qwen import tojson
+from tito_renderers.json_text import tojson
 
 from .conftest import SMOLLM2, TokenizerPair, TokenizerStore
 from .convgen import DEFUSE_CHAR, Conversation, contains_marker, defuse, generate, iter_strings, marker_regex
