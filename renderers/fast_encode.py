@@ -282,14 +282,16 @@ class FastEncoder:
         character ``tail`` on, ``head < tail``): how many of its tokens ``ids`` (fastokens' own) cover
         head characters only and how many tail characters only, or None where the byte lengths do not
         add up. A token that completes a character split over tokens counts with the character it
-        completes. Walks the tokens from both ends of the text, never the middle (see :meth:`ends_at`)."""
+        completes. Walks the tokens from both ends of the text, never the middle; as in :meth:`ends_at`,
+        a byte-level vocabulary's ids are taken to segment the text's bytes (whatever their number) and a
+        SentencePiece one's are checked against the text's length first."""
         n = len(ids)
         if not n or (self._unk is not None and self._unk in ids):
             return None
         ascii_text = text.isascii()
         table = self._lengths if ascii_text else self._starts
         total = len(text)
-        if (not self._byte_level or n < _EXACT_BELOW) and self._counts(ids, text, table, ascii_text) is None:
+        if not self._byte_level and self._counts(ids, text, table, ascii_text) is None:
             return None
         a, cum = 0, 0
         while a < n:
