@@ -179,6 +179,8 @@ class Renderer:
         """The next prompt, append-only: prev prompt + prev completion + the new messages + the
         generation prompt. A completion that ended without closing its turn (truncated) gets the
         close synthesized as context. Returns a ``Break`` with its reason where that is impossible."""
+        if not template_kwargs:  # the common call: no per-call kwargs to check or swap in
+            return self._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools)
         try:
             overrides = self.check_template_kwargs(template_kwargs)
         except ValueError as exc:
@@ -252,13 +254,12 @@ class Renderer:
 
     def _ends_in_reasoning(self, prompt_ids: list[int], completion: list[int]) -> bool:
         open_id, close_id = self.think_ids  # type: ignore[misc]
-        inside = self._prompt_opens_reasoning(prompt_ids)
-        for tid in completion:
+        for tid in reversed(completion):  # the last think token the completion holds decides
+            if tid == close_id:
+                return False
             if tid == open_id:
-                inside = True
-            elif tid == close_id:
-                inside = False
-        return inside
+                return True
+        return self._prompt_opens_reasoning(prompt_ids)
 
     def _prompt_opens_reasoning(self, prompt_ids: list[int] | None) -> bool:
         """True when the prompt's last turn opened a reasoning block that the completion continues."""
@@ -306,14 +307,14 @@ def bridged(prompt: list[int], completion: list[int], closing: list[int], tail: 
     """The bridge's result: prompt + completion, then ``closing`` (a turn close synthesized for a
     truncated completion: context, attributed to no message) and the rendered ``tail``."""
     n = len(closing)
-    appended = RenderedTokens(
+    appended = tail if not n else RenderedTokens(
         token_ids=closing + tail.token_ids,
         message_indices=[-1] * n + tail.message_indices,
         sampled_mask=[False] * n + tail.sampled_mask,
         is_content=[False] * n + tail.is_content,
     )
-    return Bridged(token_ids=[*prompt, *completion, *appended.token_ids], prefix_len=len(prompt) + len(completion),
-                   appended=appended, synthesized=n)
+    return Bridged(prefix_len=len(prompt) + len(completion), appended=appended, synthesized=n, prev_prompt_ids=prompt,
+                   prev_completion_ids=completion)
 
 
 def _tool_names(tools: list[dict] | None) -> set[str] | None:

@@ -166,4 +166,5 @@ def full_bridge(
         sampled_mask=[False] * (len(ids) - n),  # context: the model samples none of it
         is_content=[False] * synthesized + rendered.is_content[start:],
     )
-    return Bridged(token_ids=ids, prefix_len=n, appended=appended, synthesized=synthesized)
+    return Bridged(prefix_len=n, appended=appended, synthesized=synthesized, prev_prompt_ids=prompt,
+                   prev_completion_ids=list(completion))

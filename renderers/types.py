@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from functools import cached_property
 from typing import Any
 
 import msgspec
@@ -115,18 +116,35 @@ class Break(msgspec.Struct):
     position: int | None = None  # first diverging token position, where known
 
 
-class Bridged(msgspec.Struct):
+class Bridged(msgspec.Struct, dict=True):
     """The next prompt: ``token_ids[:prefix_len] == prev_prompt_ids + prev_completion_ids`` exactly.
 
     ``appended`` attributes the tokens after the prefix; its message indices count into the new
     messages. ``synthesized`` is how many of the appended tokens close a turn the engine did not
     close itself (a truncated completion); they are context, never trainable.
+
+    A bridge costs the same at any history length: it keeps the previous prompt it was given by
+    reference (``prev_prompt_ids``, of which the first ``prefix_len - len(prev_completion_ids)``
+    tokens are the prompt), and ``token_ids``, the whole next prompt, is built on first read. A caller
+    that only appends ``appended.token_ids`` to its own copy (the rollout loop) never pays for it; one
+    that changes its prompt list in place before reading ``token_ids`` reads the change (appending to
+    it is safe). Not a field: encoding a ``Bridged`` gives the fields.
     """
 
-    token_ids: list[int]
     prefix_len: int
     appended: RenderedTokens
     synthesized: int = 0
+    prev_prompt_ids: list[int] = []
+    prev_completion_ids: list[int] = []
+
+    @cached_property
+    def token_ids(self) -> list[int]:
+        ids = self.prev_prompt_ids[: self.prefix_len - len(self.prev_completion_ids)]
+        if ids.__class__ is not list:  # a tuple or an array given as the prompt
+            ids = list(ids)
+        ids += self.prev_completion_ids
+        ids += self.appended.token_ids
+        return ids
 
 
 class Capabilities(msgspec.Struct, frozen=True):

@@ -154,6 +154,9 @@ def measure(r, hf, tok, turns: int, repeats: int, style: str, pypi: dict | None 
     def bridge(m):
         r.bridge(prompt, completion, m, TOOLS)
 
+    def bridge_ids(m):  # and the whole next prompt read from it (a copy of the history)
+        return r.bridge(prompt, completion, m, TOOLS).token_ids
+
     n_render = calls_for(ref, msgs) * repeats
     n_ours = calls_for(cold, msgs) * repeats
     convs = [unique(msgs, f"{style}{turns}.{i}") for i in range(max(n_render, n_ours))]
@@ -168,6 +171,7 @@ def measure(r, hf, tok, turns: int, repeats: int, style: str, pypi: dict | None 
                         {"ref": convs[:n_render], "cold": convs[:n_ours], "warm": [None] * n_ours}, repeats)
     med = {name: statistics.median(t) for name, t in times.items()}
     med["bridge"] = per_call(bridge, fresh, repeats)
+    med["bridge_ids"] = per_call(bridge_ids, fresh, repeats)
     for side in ("cold", "warm"):  # HF over tito, round by round
         med[f"{side}_ratio"] = statistics.median(a / b for a, b in zip(times["ref"], times[side], strict=True))
     row = {"turns": turns, "tokens": n_tokens, **med}
@@ -292,8 +296,8 @@ def main() -> None:
 def format_table(rows: list[dict]) -> str:
     lines = [
         "| tool turns | tokens | HF apply_chat_template (ms) | tito cold (ms) | tito warm (ms) | tito cold vs HF "
-        "| renderers 0.1.12 cold vs HF | tito bridge (ms) | renderers 0.1.12 bridge (ms) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| renderers 0.1.12 cold vs HF | tito bridge (ms) | tito bridge + token_ids (ms) | renderers 0.1.12 bridge (ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         p = row.get("pypi")
@@ -301,7 +305,7 @@ def format_table(rows: list[dict]) -> str:
         pypi_bridge = f"{p['bridge'] * 1e3:.3f}" if p else "-"
         lines.append(f"| {row['turns']} | {row['tokens']} | {row['ref'] * 1e3:.3f} | {row['cold'] * 1e3:.3f} "
                      f"| {row['warm'] * 1e3:.3f} | {row['cold_ratio']:.2f}x | {pypi_ratio} "
-                     f"| {row['bridge'] * 1e3:.3f} | {pypi_bridge} |")
+                     f"| {row['bridge'] * 1e3:.3f} | {row['bridge_ids'] * 1e3:.3f} | {pypi_bridge} |")
     return "\n".join(lines)
 
 
@@ -317,12 +321,23 @@ def format_family_table(rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
+def cpu_model() -> str:
+    """The CPU's name (ratios to transformers differ between CPU models as much as between runs)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def write_section(path: Path, table: str, repeats: int) -> None:
     begin, end = markers("bench_render")
     body = (
         f"{begin}\n## Render and bridge\n\n"
         f"Command: `.venv/bin/python scripts/bench_render.py --repeats {repeats} --write docs/benchmarks.md`  \n"
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+        f"Machine: {cpu_model()}, {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
         f"{time.strftime('%Y-%m-%d')}; median of {repeats} rounds, transformers' and tito's rounds interleaved "
         "(a ratio is the median of the rounds' ratios).  \n"
         "Reference: transformers `apply_chat_template(tokenize=True)`, and the PyPI `renderers==0.1.12` package "
@@ -330,7 +345,9 @@ def write_section(path: Path, table: str, repeats: int) -> None:
         "renders never-seen content (each message's text made unique) and tito's caches of encoded text are "
         "emptied first (the template's own strings stay split and encoded, as transformers keeps its compiled "
         "template); warm: the same conversation again. tito render returns ids plus per-token attribution; the "
-        "bridge appends one never-seen ~150-token tool result and the generation prompt to the history.\n\n"
+        "bridge appends one never-seen ~150-token tool result and the generation prompt to the history; it keeps "
+        "the history by reference, and `Bridged.token_ids` (the whole next prompt, a copy of the history) is built "
+        "when first read: the bridge + token_ids column times both.\n\n"
         f"{table}\n{end}"
     )
     replace_section(path, "bench_render", body)

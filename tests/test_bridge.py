@@ -152,6 +152,34 @@ def test_truncated_turn_gets_a_synthesized_close():
     assert result.token_ids == full
 
 
+
+@pytest.mark.parametrize("fixture,name", [("qwen2.5-7b-instruct", None), ("qwen2.5-7b-instruct", "generic")])
+def test_bridge_keeps_the_prompt_by_reference(fixture: str, name: str | None):
+    """A bridge does not copy the history: the next prompt (token_ids) is built on first read, the same
+    from a list, a tuple or an array, and a prompt list the caller appends to afterwards (as a rollout
+    loop does) does not change it."""
+    import numpy as np
+
+    tok = ours(fixture)
+    r = renderers.create_renderer(tok, name=name)
+    msgs = [{"role": "user", "content": "Count to ten."}]
+    prompt = r.render_ids(msgs, add_generation_prompt=True)
+    completion = tok.encode_plain("1, 2, 3") + [tok.token_id("<|im_end|>")]
+    new = [{"role": "user", "content": "Go on."}]
+    full = reference_ids(fixture, msgs + [{"role": "assistant", "content": "1, 2, 3"}, *new], add_generation_prompt=True)
+    result = r.bridge(prompt, completion, new)
+    assert isinstance(result, Bridged)
+    if name is None:  # the hand-coded bridge keeps the caller's list itself
+        assert result.prev_prompt_ids is prompt
+    mine = list(prompt)
+    kept = r.bridge(mine, completion, new)
+    mine += completion + kept.appended.token_ids  # the caller extends its own copy first
+    completion.append(0)  # and reuses its completion buffer
+    assert kept.token_ids == full
+    for given in (tuple(prompt), np.asarray(prompt)):
+        other = r.bridge(given, completion[:-1], new)
+        assert isinstance(other, Bridged) and other.token_ids == full and type(other.token_ids) is list
+
 def test_qwen3_thinking_retention_both_ways():
     """A new user query after a turn with reasoning: the template strips that reasoning.
     keep -> append-only (prefix kept, differs from the template); template -> Break."""
