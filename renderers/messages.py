@@ -79,6 +79,10 @@ def _tool_call(call: Any, index: int, j: int) -> dict:
 def normalize_message(message: Any, index: int = 0) -> dict:
     """One OpenAI chat message -> the dict a chat template sees (see the module docstring). The
     checks run on every message of every render: error texts are built only when one fails."""
+    if message.__class__ is dict and len(message) == 2:  # most messages: a plain dict of role and text content
+        content = message.get("content")
+        if content.__class__ is str and message.get("role") in ROLES:
+            return {"role": message["role"], "content": content}
     if not _is_mapping(message):
         raise MessageError(f"message {index} must be an object, got {type(message).__name__}")
     role = message.get("role")
