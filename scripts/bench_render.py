@@ -92,20 +92,6 @@ def unique(msgs: list[dict], tag: str) -> list[dict]:
     return [dict(m, content=f"[{tag}] {m['content']}") if m.get("content") else m for m in msgs]
 
 
-def per_call(fn, inputs: list, rounds: int) -> float:
-    """Median seconds per call over ``rounds`` rounds, each calling ``fn`` once on each of its own
-    slice of ``inputs`` (never an input twice)."""
-    n = len(inputs) // rounds
-    times = []
-    for k in range(rounds):
-        chunk = inputs[k * n : (k + 1) * n]
-        t0 = time.perf_counter()
-        for x in chunk:
-            fn(x)
-        times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times)
-
-
 def interleaved(fns: dict, inputs: dict, rounds: int) -> dict[str, list[float]]:
     """Seconds per call of each function in each of ``rounds`` rounds, every call on its own input, the
     functions' rounds interleaved (their order alternating): a ratio taken round by round sees the same
@@ -164,14 +150,15 @@ def measure(r, hf, tok, turns: int, repeats: int, style: str, pypi: dict | None 
     results = [[{"role": "tool", "content": f"[{i}] " + tool_result(rng, 150, tok, style)}] for i in range(64)]
     n_bridge = calls_for(bridge, results[0]) * repeats
     fresh = [[dict(results[i % 64][0], content=f"<{i}> {results[i % 64][0]['content']}")] for i in range(n_bridge)]
+    fresh_ids = [[dict(m[0], content=f"ids {m[0]['content']}")] for m in fresh]
     for i in range(20):  # warm up (the first row would otherwise pay for it)
         cold(unique(msgs, f"warmup{i}"))
         bridge([dict(results[i][0], content=f"warmup{i}")])
     times = interleaved({"ref": ref, "cold": cold, "warm": lambda _m: r.render(msgs, TOOLS)},
                         {"ref": convs[:n_render], "cold": convs[:n_ours], "warm": [None] * n_ours}, repeats)
     med = {name: statistics.median(t) for name, t in times.items()}
-    med["bridge"] = per_call(bridge, fresh, repeats)
-    med["bridge_ids"] = per_call(bridge_ids, fresh, repeats)
+    bridges = interleaved({"bridge": bridge, "bridge_ids": bridge_ids}, {"bridge": fresh, "bridge_ids": fresh_ids}, repeats)
+    med.update({name: statistics.median(t) for name, t in bridges.items()})
     for side in ("cold", "warm"):  # HF over tito, round by round
         med[f"{side}_ratio"] = statistics.median(a / b for a, b in zip(times["ref"], times[side], strict=True))
     row = {"turns": turns, "tokens": n_tokens, **med}
