@@ -175,15 +175,24 @@ class Pieces(PieceWriter):
             self._flush()
 
     def _special(self, tid: int, message: int, sampled: bool) -> None:
-        if self.parts or self.pending is not None:
-            self._end_run()
+        pending = self.pending
+        if pending is not None:  # _end_run and _known inlined: a special token after a turn's "\n" is
+            self.pending = None  # the commonest step of a render
+            _, run_ids, run_message, run_sampled = pending
+            n = len(run_ids)
+            self.ids += run_ids
+            self.msg += [run_message] * n
+            self.sampled += [run_sampled] * n
+            self.content += [False] * n
+        elif self.parts:
+            self._flush()
         self.ids.append(tid)
         self.msg.append(message)
         self.sampled.append(sampled)
         self.content.append(False)
 
     def _block(self, ids: tuple[int, ...], message: int, sampled: bool) -> None:
-        if self.parts or self.pending is not None:
+        if self.pending is not None or self.parts:
             self._end_run()
         n = len(ids)
         self.ids += ids
@@ -246,12 +255,23 @@ class Pieces(PieceWriter):
                 _remember(_RUN_CACHE, key, (run_ids, None))  # type: ignore[arg-type]
             a, b = counts
             n = len(run_ids)  # type: ignore[arg-type]
-            self.ids += run_ids  # type: ignore[arg-type]
-            self.msg += [message] * n
-            self.sampled += [sampled] * n
-            self.content += [False] * a
-            self.content += [True] * (n - a - b)
-            self.content += [False] * b
+            ids = self.ids
+            ids += run_ids  # type: ignore[arg-type]
+            if tail_block.__class__ is int:  # the tail's added tokens go with the run: one owner
+                ids.append(tail_block)  # type: ignore[arg-type]
+                m = n + 1
+            else:
+                ids += tail_block  # type: ignore[arg-type]
+                m = n + len(tail_block)  # type: ignore[arg-type]
+            self.msg += [message] * m
+            self.sampled += [sampled] * m
+            content = self.content
+            content += [False] * a
+            content += [True] * (n - a - b)
+            content += [False] * (m - n + b)
+            if trail:
+                self.pending = (trail, trail_ids, message, sampled)
+            return
         if tail_block.__class__ is int:
             self._special(tail_block, message, sampled)  # type: ignore[arg-type]
         else:
@@ -311,9 +331,16 @@ class Pieces(PieceWriter):
             if hit is None:
                 _remember(_RUN_CACHE, key, (run_ids, None))  # type: ignore[arg-type]
             n = len(run_ids)  # type: ignore[arg-type]
-            self.ids += run_ids  # type: ignore[arg-type]
-            self.msg += [message] * n
-            self.sampled += [sampled] * n
+            ids = self.ids
+            ids += run_ids  # type: ignore[arg-type]
+            if tail_block.__class__ is int:  # the tail's added tokens go with the run, as in wrapped
+                ids.append(tail_block)  # type: ignore[arg-type]
+                m = n + 1
+            else:
+                ids += tail_block  # type: ignore[arg-type]
+                m = n + len(tail_block)  # type: ignore[arg-type]
+            self.msg += [message] * m
+            self.sampled += [sampled] * m
             content = self.content
             t = 0  # tokens flagged so far
             for j in range(1, len(span_ends), 2):  # the texts' spans: [span_ends[j - 1], span_ends[j])
@@ -326,7 +353,10 @@ class Pieces(PieceWriter):
                         content += [False] * (first - t)
                         content += [True] * (hi - first)
                         t = hi
-            content += [False] * (n - t)
+            content += [False] * (m - t)
+            if trail:
+                self.pending = (trail, trail_ids, message, sampled)
+            return
         if tail_block.__class__ is int:
             self._special(tail_block, message, sampled)  # type: ignore[arg-type]
         else:

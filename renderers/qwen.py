@@ -22,6 +22,7 @@ TOOLS_OUTRO = (
     '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
     "</tool_call><|im_end|>\n"
 )
+_TOOLS_FIRST_LINE = TOOLS_INTRO + "\n"  # the intro and the first definition's line break, one scaffold string
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 
@@ -44,9 +45,8 @@ class _QwenBase(Renderer):
     extra_stop_tokens = ("<|endoftext|>",)
 
     def _tool_definitions(self, p: PieceWriter, tools: list[dict]) -> None:
-        p.scaffold(TOOLS_INTRO)
-        for tool in tools:
-            p.scaffold("\n")
+        for k, tool in enumerate(tools):  # each definition on its own line after the intro
+            p.scaffold("\n" if k else _TOOLS_FIRST_LINE)
             p.text(tojson(tool), -1, content=False)
         p.scaffold(TOOLS_OUTRO)
 
