@@ -85,11 +85,17 @@ class PieceWriter:
             self.message_text = True
             self._text(text, message, content, sampled)
 
-    def wrapped(self, head: str, text: str, tail: str, message: int, sampled: bool = False) -> None:
+    def wrapped(self, head: str, text: str, tail: str, message: int, sampled: bool = False, extra: str = "",
+                extra_message: int = -1) -> None:
         """``scaffold(head)``, ``text(text)`` and ``scaffold(tail)``, all of one message and one sampled
-        flag: a message's text between two pieces of its turn's scaffold, the common shape."""
+        flag: a message's text between two pieces of its turn's scaffold, the common shape. With
+        ``extra``: that text (not content) between the text and the tail, it and the tail belonging to
+        ``extra_message``: a system message's text, then the template's tool definitions."""
         self.scaffold(head, message, sampled)
         self.text(text, message, sampled)
+        if extra:
+            self.text(extra, extra_message, sampled, content=False)
+            message = extra_message
         self.scaffold(tail, message, sampled)
 
     def fields(self, head: str, texts: tuple[str, ...], separators: tuple[str, ...], tail: str, message: int,
@@ -216,16 +222,17 @@ class Pieces(PieceWriter):
             self.ends.append(pos)
             self.attrs.append(attr)
 
-    def wrapped(self, head: str, text: str, tail: str, message: int, sampled: bool = False) -> None:
+    def wrapped(self, head: str, text: str, tail: str, message: int, sampled: bool = False, extra: str = "",
+                extra_message: int = -1) -> None:
         # where head and tail both hold an added token, the run between them is exactly the head's
-        # trailing text, the message text and the tail's leading text, and its tokens' attribution is
-        # known from two counts: no spans kept, no end offsets
+        # trailing text, the message text, the extra text and the tail's leading text, and its tokens'
+        # attribution is known from two counts: no spans kept, no end offsets
         splits = self.splits
         hs = splits.get(head) or _split(self.tok, splits, head)
         ts = splits.get(tail) or _split(self.tok, splits, tail)
         fast = self.fast
         if hs[2] is None or ts[2] is None or not text or fast is None:
-            PieceWriter.wrapped(self, head, text, tail, message, sampled)
+            PieceWriter.wrapped(self, head, text, tail, message, sampled, extra, extra_message)
             return
         lead, lead_ids, block, before, _ = hs
         after, _, tail_block, trail, trail_ids = ts
@@ -238,39 +245,47 @@ class Pieces(PieceWriter):
             self._special(block, message, sampled)  # type: ignore[arg-type]
         else:
             self._block(block, message, sampled)  # type: ignore[arg-type]
-        run = before + text + after
+        run = before + text + extra + after
         key = (self.tok_key, run)
         hit = _RUN_CACHE.get(key)
         run_ids = fast.try_ids(run) if hit is None else hit[0] if hit[1] is None else None
-        counts = None if run_ids is None else fast.edges(run_ids, run, len(before), len(run) - len(after))
+        counts = None if run_ids is None else fast.edges(run_ids, run, len(before), len(before) + len(text))
+        owner = extra_message if extra else message  # of the extra text, the tail and what follows it
         if counts is None:  # not fastokens' to encode, or byte lengths that do not add up: the general path
             self.message_text = True
             if before:
                 self._text(before, message, False, sampled)
             self._text(text, message, True, sampled)
+            if extra:
+                self._text(extra, owner, False, sampled)
             if after:
-                self._text(after, message, False, sampled)
+                self._text(after, owner, False, sampled)
+            message = owner
         else:
             if hit is None:
                 _remember(_RUN_CACHE, key, (run_ids, None))  # type: ignore[arg-type]
-            a, b = counts
+            a, b = counts  # tokens of the head's text only, and of the extra and tail texts only
             n = len(run_ids)  # type: ignore[arg-type]
             ids = self.ids
             ids += run_ids  # type: ignore[arg-type]
-            if tail_block.__class__ is int:  # the tail's added tokens go with the run: one owner
+            if tail_block.__class__ is int:  # the tail's added tokens go with the run
                 ids.append(tail_block)  # type: ignore[arg-type]
                 m = n + 1
             else:
                 ids += tail_block  # type: ignore[arg-type]
                 m = n + len(tail_block)  # type: ignore[arg-type]
-            self.msg += [message] * m
+            if owner == message:
+                self.msg += [message] * m
+            else:
+                self.msg += [message] * (n - b)
+                self.msg += [owner] * (m - n + b)
             self.sampled += [sampled] * m
             content = self.content
             content += [False] * a
             content += [True] * (n - a - b)
             content += [False] * (m - n + b)
             if trail:
-                self.pending = (trail, trail_ids, message, sampled)
+                self.pending = (trail, trail_ids, owner, sampled)
             return
         if tail_block.__class__ is int:
             self._special(tail_block, message, sampled)  # type: ignore[arg-type]

@@ -146,12 +146,11 @@ class Qwen3Renderer(_QwenBase):
 
     def _render(self, p, msgs, tools, add_generation_prompt):
         has_system = msgs[0]["role"] == "system"
-        if tools:
-            owner = 0 if has_system else -1
-            p.scaffold("<|im_start|>system\n", owner)
-            if has_system:
-                p.text(_concat_content(msgs[0], 0, self.name), 0)
-                p.scaffold("\n\n", 0)
+        if tools and has_system:  # the system text, then the tool block (its "\n\n" included) in one run
+            p.wrapped("<|im_start|>system\n", _concat_content(msgs[0], 0, self.name), TOOLS_OUTRO, 0,
+                      extra="\n\n" + _TOOLS_FIRST_LINE + "\n".join(tojson(tool) for tool in tools), extra_message=-1)
+        elif tools:
+            p.scaffold("<|im_start|>system\n")
             self._tool_definitions(p, tools)
         elif has_system:
             self._plain_turn(p, msgs[0], 0)

@@ -56,11 +56,15 @@ def _reference(tok, ops) -> tuple[list[int], list[int], list[bool], list[bool]]:
     for kind, value, message, sampled, content in ops:
         if kind in ("wrapped", "fields"):  # scaffold, message texts (scaffold between them), scaffold
             head, texts, separators, tail = (value[0], (value[1],), (), value[2]) if kind == "wrapped" else value
+            extra, extra_message = value[3:] if kind == "wrapped" else ("", -1)
             items += [(part, message, False, sampled) for part in _split(tok, head)]
             for k, text in enumerate(texts):
                 if k:
                     items += [(part, message, False, sampled) for part in _split(tok, separators[k - 1])]
                 items += [(text, message, True, sampled)] if text else []
+            if extra:  # another owner's text (not content), the tail then that owner's too
+                items.append((extra, extra_message, False, sampled))
+                message = extra_message
             items += [(part, message, False, sampled) for part in _split(tok, tail)]
         elif kind == "special":
             items.append((tok.added_tokens[value], message, False, sampled))
@@ -116,8 +120,9 @@ def _random_ops(tok, rng: random.Random, n: int) -> list[tuple]:
                           + rng.choice(("\n", "", "user\n", " ")) for _ in range(2))
             pool = DECLINED if rng.random() < 0.01 else (LONG_TEXT,) if rng.random() < 0.2 else TEXTS
             text = "".join(rng.choice(pool) for _ in range(rng.randrange(0, 4)))
-            if rng.random() < 0.5:
-                ops.append(("wrapped", (head, text, tail), message, sampled, True))
+            if rng.random() < 0.5:  # now and then with another owner's text before the tail (tool definitions)
+                extra = "".join(rng.choice(pool) for _ in range(rng.randrange(1, 3))) if rng.random() < 0.3 else ""
+                ops.append(("wrapped", (head, text, tail, extra, rng.randrange(-1, 4)), message, sampled, True))
             else:  # several texts, scaffold between them (a separator holding an added token now and then)
                 texts = tuple("".join(rng.choice(pool) for _ in range(rng.randrange(0, 3))) for _ in range(rng.randrange(1, 4)))
                 separators = tuple(rng.choice(('", "arguments": ', " ", "", "\n", f"{rng.choice(specials)}" if rng.random() < 0.1 else ","))
@@ -138,7 +143,8 @@ def _random_ops(tok, rng: random.Random, n: int) -> list[tuple]:
 def _apply(p, ops):
     for kind, value, message, sampled, content in ops:
         if kind == "wrapped":
-            p.wrapped(*value, message, sampled)
+            head, text, tail, extra, extra_message = value
+            p.wrapped(head, text, tail, message, sampled, extra, extra_message)
         elif kind == "fields":
             p.fields(*value, message, sampled)
         elif kind == "special":
