@@ -8,6 +8,8 @@ no content (undefined: empty when printed, an error when concatenated).
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from .base import Renderer, TemplateRejected
 from .json_text import tojson
 from .pieces import PieceWriter
@@ -23,6 +25,7 @@ TOOLS_OUTRO = (
     "</tool_call><|im_end|>\n"
 )
 _TOOLS_FIRST_LINE = TOOLS_INTRO + "\n"  # the intro and the first definition's line break, one scaffold string
+_SYSTEM_TOOLS_GAP = "\n\n" + _TOOLS_FIRST_LINE  # between a Qwen3 system message's text and its first tool
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 
@@ -146,11 +149,14 @@ class Qwen3Renderer(_QwenBase):
 
     def _render(self, p, msgs, tools, add_generation_prompt):
         has_system = msgs[0]["role"] == "system"
-        if tools and has_system:  # the system text, then the tool block (its "\n\n" included) in one run
+        if tools and has_system and self._tool_intro_is_text:  # the system text, then the tool block
             p.wrapped("<|im_start|>system\n", _concat_content(msgs[0], 0, self.name), TOOLS_OUTRO, 0,
-                      extra="\n\n" + _TOOLS_FIRST_LINE + "\n".join(tojson(tool) for tool in tools), extra_message=-1)
+                      extra=_SYSTEM_TOOLS_GAP + "\n".join(tojson(tool) for tool in tools), extra_message=-1)
         elif tools:
-            p.scaffold("<|im_start|>system\n")
+            p.scaffold("<|im_start|>system\n", 0 if has_system else -1)
+            if has_system:  # the same tokens and owners as the wrapped call, the intro split on added tokens
+                p.text(_concat_content(msgs[0], 0, self.name), 0)
+                p.scaffold("\n\n")
             self._tool_definitions(p, tools)
         elif has_system:
             self._plain_turn(p, msgs[0], 0)
@@ -158,6 +164,13 @@ class Qwen3Renderer(_QwenBase):
         self._messages(p, msgs, prev_role=None, first_is_skipped_system=True)
         if add_generation_prompt:
             self._generation_prompt(p)
+
+    @cached_property
+    def _tool_intro_is_text(self) -> bool:
+        """The tool block's fixed text holds no added-token string in this vocabulary, so it can join the
+        system message's run as plain text (wrapped's ``extra``); a vocabulary that adds, say, ``<tools>``
+        must have it split out as the template's text is."""
+        return self.tokenizer.split_added(_SYSTEM_TOOLS_GAP) == [_SYSTEM_TOOLS_GAP]
 
     def _generation_prompt(self, p: PieceWriter) -> None:
         super()._generation_prompt(p)

@@ -534,3 +534,27 @@ def test_qwen25_plain_assistant_sampled_text(content: str, qwen25_tok: Tokenizer
     content_ids = [t for t, k, c in zip(rendered.token_ids, rendered.message_indices, rendered.is_content, strict=True) if c and k == 2]
     assert qwen25_tok.ours.decode(content_ids) == norm(content)
 
+
+
+def test_qwen3_tool_block_with_an_added_token_in_its_intro(tmp_path) -> None:
+    """Qwen3 writes a system message and its tool definitions as one run, the tool block's fixed text as
+    plain text; in a vocabulary that adds a token spelled in that text (``<tools>``) the text must be split
+    on it as transformers splits the template's output, so the renderer takes the scaffold path there."""
+    from transformers import AutoTokenizer
+
+    from ._support import fixtures_dir
+
+    hf = AutoTokenizer.from_pretrained(str(fixtures_dir() / "tokenizers" / "qwen3-0.6b"), local_files_only=True)
+    plain = renderers.create_renderer(renderers.load_tokenizer(fixtures_dir() / "tokenizers" / "qwen3-0.6b"))
+    assert plain._tool_intro_is_text  # the fixture vocabulary takes the one-run path (the parity suites)
+    hf.add_tokens(["<tools>"])
+    hf.save_pretrained(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    r = renderers.create_renderer(renderers.load_tokenizer(tmp_path))
+    assert r.name == "qwen3" and not r._tool_intro_is_text
+    tools = [{"type": "function", "function": {"name": "search", "description": "Search.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    for msgs in ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                 [{"role": "user", "content": "hi"}]):
+        out = hf.apply_chat_template(msgs, tools=tools, tokenize=True, add_generation_prompt=True)
+        assert r.render_ids(msgs, tools, add_generation_prompt=True) == list(out["input_ids"] if hasattr(out, "keys") else out)
