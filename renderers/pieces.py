@@ -198,7 +198,7 @@ class Pieces(PieceWriter):
         self.content.append(False)
 
     def _block(self, ids: tuple[int, ...], message: int, sampled: bool) -> None:
-        if self.pending is not None or self.parts:
+        if self.parts or self.pending is not None:
             self._end_run()
         n = len(ids)
         self.ids += ids
