@@ -8,6 +8,11 @@ in rollout/engines; this module only places it on Ray.
   number of generate calls in flight per engine). ``abort``, ``update_weights``, ``info``, ``health`` and ``start``
   run in a separate "control" group, so an abort or a health probe is never queued behind a full set of
   generate calls.
+* Ray runs each concurrency group on its own event loop (its own thread), while a backend is bound to the loop
+  that built it (vLLM's output handler, the embedded engine's futures). So every backend call is run on that one
+  home loop, whichever group's loop received it (:meth:`EngineActorImpl._home`); cancelling the caller cancels
+  the call there too. Without this, vLLM's requests were submitted from the default group's loop to an engine
+  whose output handler ran on the control group's loop, and never finished.
 * A bad request raises :class:`~rollout.engines.protocol.EngineError` inside the actor; Ray re-raises it on the
   caller as an exception that is an instance of ``EngineError`` (and of ``ray.exceptions.RayTaskError``), and
   the actor keeps serving.
@@ -19,12 +24,13 @@ Use :func:`start_engine_actors` with a config (a dict or a list of dicts, see :c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import inspect
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
@@ -48,6 +54,7 @@ DEFAULT_RESOURCES: dict[str, dict[str, float]] = {
     "embedded": {"num_cpus": 1.0, "num_gpus": 0.0},
     "vllm": {"num_cpus": 1.0, "num_gpus": 1.0},
 }
+T = TypeVar("T")
 CONTROL_GROUP = "control"
 CONTROL_CONCURRENCY = 16
 
@@ -121,12 +128,34 @@ class EngineActorImpl:
         self.kwargs = dict(kwargs or {})
         self.name = name or kind
         self._backend: EngineBackend | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the backend was built on
+        self._building: asyncio.Future | None = None
         self.stats = {"requests": 0, "errors": 0, "refused": 0, "in_flight": 0, "peak_in_flight": 0}
 
     async def _ensure(self) -> EngineBackend:
-        if self._backend is None:
-            self._backend = await build_backend(self.kind, self.kwargs)
+        """The backend, built on the first call's loop (its home loop) by exactly one caller."""
+        if self._backend is not None:
+            return self._backend
+        if self._building is None:
+            self._loop = asyncio.get_running_loop()
+            self._building = asyncio.ensure_future(build_backend(self.kind, self.kwargs))
+        building = self._building
+        if self._loop is not asyncio.get_running_loop():
+            building = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_awaited(building), self._loop))
+        try:
+            self._backend = await building
+        except BaseException:
+            if self._building is not None and self._building.done():
+                self._building = None  # a failed build may be tried again
+            raise
         return self._backend
+
+    async def _home(self, call: Awaitable[T]) -> T:
+        """Await ``call`` on the backend's home loop (see the module doc)."""
+        loop = self._loop
+        if loop is None or loop is asyncio.get_running_loop():
+            return await call
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_awaited(call), loop))
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def start(self) -> EngineInfo:
@@ -138,7 +167,7 @@ class EngineActorImpl:
         Raises EngineError for a bad request; the actor keeps serving."""
         backend = await self._ensure()
         with self._counted() as stats:
-            out = await backend.generate(_decoded(request))
+            out = await self._home(backend.generate(_decoded(request)))
         if any(r.finish_reason == "error" for r in out.results):
             stats["errors"] += 1
         return out
@@ -149,10 +178,18 @@ class EngineActorImpl:
         ``actor.generate_stream.options(num_returns="streaming").remote(request)``."""
         backend = await self._ensure()
         with self._counted() as stats:
-            async for item in stream_of(backend, _decoded(request)):
-                if isinstance(item, GenerateOutput) and any(r.finish_reason == "error" for r in item.results):
-                    stats["errors"] += 1
-                yield item
+            items = stream_of(backend, _decoded(request))
+            try:
+                while True:
+                    try:
+                        item = await self._home(items.__anext__())
+                    except StopAsyncIteration:
+                        break
+                    if isinstance(item, GenerateOutput) and any(r.finish_reason == "error" for r in item.results):
+                        stats["errors"] += 1
+                    yield item
+            finally:
+                await self._home(items.aclose())
 
     @contextlib.contextmanager
     def _counted(self) -> Iterator[dict]:
@@ -172,11 +209,11 @@ class EngineActorImpl:
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def abort(self, request_id: str) -> bool:
-        return await (await self._ensure()).abort(request_id)
+        return await self._home((await self._ensure()).abort(request_id))
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def update_weights(self, path: str, version: int) -> None:
-        await (await self._ensure()).update_weights(path, version)
+        await self._home((await self._ensure()).update_weights(path, version))
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def info(self) -> EngineInfo:
@@ -190,7 +227,7 @@ class EngineActorImpl:
         probe = getattr(backend, "health", None)
         if callable(probe):
             res = probe()
-            res = await res if inspect.isawaitable(res) else res
+            res = await self._home(res) if inspect.isawaitable(res) else res
             if isinstance(res, Mapping):
                 report["backend"] = dict(res)
                 report["ok"] = bool(res.get("ok", True))
@@ -202,7 +239,13 @@ class EngineActorImpl:
     async def close(self) -> None:
         """Release the backend (vLLM's engine core, the embedded engine's worker thread)."""
         backend, self._backend = self._backend, None
-        await close_backend(backend)
+        if backend is not None:
+            await self._home(close_backend(backend))
+        self._building = None
+
+
+async def _awaited(call: Awaitable[T]) -> T:
+    return await call
 
 
 EngineActor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY})(EngineActorImpl)
