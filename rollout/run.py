@@ -110,10 +110,19 @@ def _init_ray(cfg: RunConfig) -> None:
 
 def _engine_specs(cfg: RunConfig, model_path: str) -> list[dict[str, Any]]:
     options = dict(cfg.engine.options)
-    if cfg.engine.backend in ("embedded", "vllm"):
+    num_gpus = cfg.engine.num_gpus
+    if cfg.engine.backend == "embedded":
         options.setdefault("model", model_path)
+    elif cfg.engine.backend == "vllm":
+        from .engines.vllm_backend import vllm_platform
+        from .models import model_dir
+
+        # vLLM loads a safetensors directory: a GGUF (the default model) is converted once into the cache
+        options.setdefault("model", str(model_dir(model_path)))
+        if num_gpus is None and vllm_platform() == "cpu":
+            num_gpus = 0.0  # vLLM's CPU build: the engine actor holds one CPU, no GPU
     return [{"kind": cfg.engine.backend, "kwargs": options, "max_concurrency": cfg.engine.max_concurrency,
-             "replicas": cfg.engine.count, "num_cpus": cfg.engine.num_cpus, "num_gpus": cfg.engine.num_gpus}]
+             "replicas": cfg.engine.count, "num_cpus": cfg.engine.num_cpus, "num_gpus": num_gpus}]
 
 
 def _model_path(name: str) -> Path:
@@ -142,9 +151,12 @@ def _preflight_engines(cfg: RunConfig, *, cluster: bool) -> None:
     otherwise wait forever for a GPU resource). Local: before Ray starts; a cluster: once joined."""
     if cfg.engine.backend != "vllm":
         return
-    from .engines.vllm_backend import cluster_gpu_problem, local_vllm_problem
+    from .engines.vllm_backend import cluster_gpu_problem, local_vllm_problem, vllm_platform
 
-    problem = cluster_gpu_problem(cfg.engine.count, cfg.engine.num_gpus) if cluster else local_vllm_problem()
+    num_gpus = cfg.engine.num_gpus
+    if num_gpus is None and vllm_platform() == "cpu":
+        num_gpus = 0.0
+    problem = cluster_gpu_problem(cfg.engine.count, num_gpus) if cluster else local_vllm_problem()
     if problem:
         raise ValueError(problem)
 

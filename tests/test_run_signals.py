@@ -1,7 +1,7 @@
 """``tito run`` as a real subprocess: Ctrl-C (SIGINT to the whole process group, as a terminal sends
 it) and SIGTERM flush every finished group, write the manifest and summary, print one line and exit
 128 + signal; ``--resume`` then completes the run with exactly G rollouts per task and none twice.
-And ``engine.backend: vllm`` on a machine without a GPU fails in seconds instead of waiting forever."""
+And ``engine.backend: vllm`` where vLLM is not installed fails in seconds instead of waiting forever."""
 
 from __future__ import annotations
 
@@ -115,17 +115,16 @@ def test_sigint_and_sigterm_flush_and_resume_completes(tmp_path):
             f.result()
 
 
-def test_vllm_without_a_gpu_fails_fast(tmp_path):
-    pytest.importorskip("torch")
-    import torch
+def test_vllm_where_it_is_not_installed_fails_fast(tmp_path):
+    import importlib.util
 
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this environment")
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "rollout.cli", "run", "configs/demo.yaml", "--out", str(out), "--quiet",
            "--set", "engine.backend=vllm"]
     done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "engine.backend=vllm needs a CUDA GPU; none visible" in done.stderr
+    assert "vllm is not installed in this environment: `make test-vllm` builds .venv-vllm" in done.stderr
     assert "Traceback" not in done.stderr and "Started a local Ray" not in done.stderr  # before Ray starts
     assert not out.exists(), "nothing is written"
