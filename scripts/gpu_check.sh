@@ -1,39 +1,33 @@
 #!/usr/bin/env bash
-# Engine conformance suite against the REAL vLLM backend (rollout/engines/vllm_backend.py).
+# The real-vLLM suites on a GPU: the same tests `make test-vllm` runs on a CPU (tests/test_vllm_real.py,
+# test_vllm_run.py, test_vllm_serve.py), here with the CUDA `vllm` wheel.
 #
-# Needs: an NVIDIA GPU, vLLM installed in the Python environment (pip install 'vllm==0.33.0', or the tito[vllm]
-# extra), and a model: a local directory (safetensors + config.json) or a hub id (then network or a warm HF cache).
-# On CPU-only machines the backend is only tested against tests/vllm_standin.py; this script is the real check.
+# Needs: an NVIDIA GPU. The environment: PYTHON if set (vLLM installed there), else .venv-vllm, built first by
+# scripts/setup_vllm_venv.sh (it installs the CUDA vllm wheel where nvidia-smi works). The model: MODEL (a
+# safetensors directory or hub id with network / a warm HF cache), else the default SmolLM2-135M converted from
+# its GGUF into the cache.
 #
-# Usage: scripts/gpu_check.sh MODEL [extra pytest args]
-#   env: PYTHON (default: .venv/bin/python if present, else python), TITO_VLLM_MAX_MODEL_LEN (4096),
-#        TITO_VLLM_GPU_MEMORY_UTILIZATION (0.6), TITO_VLLM_WEIGHTS_PATH (checkpoint for the weight-update check;
-#        default: MODEL itself, reloaded in place).
-# Exit status: pytest's; a missing prerequisite is a failure here, never a silent skip.
+# Usage: scripts/gpu_check.sh [MODEL] [extra pytest args]
+#   env: TITO_VLLM_MAX_MODEL_LEN (2048), TITO_VLLM_GPU_MEMORY_UTILIZATION (0.6)
+# Exit status: pytest's; a missing prerequisite is a failure here (TITO_REQUIRE_VLLM=1), never a silent skip.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 MODEL="${1:-${TITO_VLLM_MODEL:-}}"
-if [[ -z "$MODEL" ]]; then
-  echo "usage: scripts/gpu_check.sh MODEL [pytest args]   (or set TITO_VLLM_MODEL)" >&2
-  exit 2
-fi
 [[ $# -gt 0 ]] && shift
-PY="${PYTHON:-}"
-if [[ -z "$PY" ]]; then
-  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python; fi
-fi
 
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "gpu_check: no NVIDIA GPU visible (nvidia-smi failed); vLLM cannot run here" >&2
-  exit 3
-fi
-if ! "$PY" -c "import vllm, sys; sys.exit(1 if getattr(vllm, '__standin__', False) else 0)" 2>/dev/null; then
-  echo "gpu_check: '$PY' cannot import the real vllm (install vllm==0.33.0 into that environment)" >&2
+  echo "gpu_check: no NVIDIA GPU visible (nvidia-smi failed); on a CPU run \`make test-vllm\` instead" >&2
   exit 3
 fi
 nvidia-smi -L
+PY="${PYTHON:-}"
+if [[ -z "$PY" ]]; then
+  bash scripts/setup_vllm_venv.sh .venv-vllm
+  PY=.venv-vllm/bin/python
+fi
 "$PY" -c "import vllm; print('vllm', vllm.__version__)"
 
-export TITO_VLLM_MODEL="$MODEL" TITO_REQUIRE_GPU_CHECK=1 RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
-exec "$PY" -m pytest -v -rs -p no:cacheprovider tests/test_vllm_gpu.py "$@"
+export TITO_REQUIRE_VLLM=1 HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
+[[ -n "$MODEL" ]] && export TITO_VLLM_MODEL="$MODEL"
+exec "$PY" -m pytest -v -rs -p no:cacheprovider tests/test_vllm_real.py tests/test_vllm_run.py tests/test_vllm_serve.py "$@"

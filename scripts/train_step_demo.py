@@ -1,6 +1,7 @@
 """One GRPO-style policy-gradient step on the embedded model from shards, on the CPU.
 
     python scripts/train_step_demo.py out/demo [--model smollm2-135m] [--budget 2048] [--lr 1e-5] [--json]
+                                               [--save CHECKPOINT_DIR]
 
 Takes one packed micro-batch (the first packed row; ``--budget`` sizes it), computes per-token
 ``ratio = exp(logp_new - logp_old)`` with the shards' sampler logprobs as old, the clipped surrogate
@@ -13,13 +14,21 @@ The model runs in train() mode for the step; SmolLM2 has no dropout, so train an
 agree. With all-zero advantages (every rollout of a group equally rewarded) the surrogate has no
 gradient; ``--advantage-fallback`` then uses ``reward - mean reward`` of the micro-batch, or 1.0, so
 the demo always shows a step (stated in the output).
+
+``--save DIR`` writes the updated weights as a safetensors checkpoint directory (config included, tied
+embeddings kept tied), which an engine loads with ``update_weights(DIR, version)`` (``tito serve``:
+``POST /update_weights {"weight_dir": DIR, "version": N}``). The directory appears by an atomic rename.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -47,8 +56,25 @@ def grpo_loss(logp_new: torch.Tensor, row: PackedRow, eps: float = 0.2) -> torch
     return -(surrogate * m).sum() / m.sum().clamp(min=1)
 
 
+def save_checkpoint(model: torch.nn.Module, target: str | os.PathLike) -> Path:
+    """The model's weights and config as a safetensors directory at ``target``, which must not exist yet
+    (written next to it, then renamed into place: a reader never sees half a checkpoint)."""
+    target = Path(target)
+    if target.exists():
+        raise FileExistsError(f"{target} already exists: choose a new directory per checkpoint")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
 def run(path: str, model_name: str = "smollm2-135m", budget: int = 2048, lr: float = 1e-5, seed: int = 0,
-        advantage_fallback: bool = True) -> dict:
+        advantage_fallback: bool = True, save: str | None = None) -> dict:
     """The demo's numbers: ratio statistics before and after one step, the loss, and the batch size."""
     torch.manual_seed(seed)
     samples = load_samples(path)
@@ -72,8 +98,9 @@ def run(path: str, model_name: str = "smollm2-135m", budget: int = 2048, lr: flo
     model.eval()
     with torch.no_grad():
         after = ratio_stats(packed_logprobs(model, row), row)
+    saved = str(save_checkpoint(model, save)) if save else None
     return {"samples": len(row.pieces), "tokens": len(row), "trainable_tokens": int(row.loss_mask.sum()),
-            "advantages": note, "loss": float(loss.detach()), "before": before, "after": after}
+            "advantages": note, "loss": float(loss.detach()), "before": before, "after": after, "saved": saved}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,8 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--no-advantage-fallback", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--save", metavar="DIR", help="write the updated weights as a safetensors checkpoint here")
     args = ap.parse_args(argv)
-    out = run(args.path, args.model, args.budget, args.lr, advantage_fallback=not args.no_advantage_fallback)
+    if args.save and Path(args.save).exists():  # before the model loads: nothing is computed for nothing
+        ap.error(f"--save {args.save}: already exists; choose a new directory per checkpoint")
+    out = run(args.path, args.model, args.budget, args.lr, advantage_fallback=not args.no_advantage_fallback,
+              save=args.save)
     if args.json:
         print(json.dumps(out))
         return 0
@@ -95,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         s = out[k]
         print(f"ratio {k:6s} mean {s['mean']:.6f}  min {s['min']:.6f}  max {s['max']:.6f}  "
               f"max|r-1| {s['max_abs_minus_1']:.3g}")
+    if out["saved"]:
+        print(f"checkpoint: {out['saved']}")
     return 0
 
 
