@@ -99,12 +99,12 @@ def test_generate_shape_logprobs_usage(server):
     assert r["request_id"] == "shape-1" and r["prompt_token_ids"] == [10, 11, 12]
     (choice,) = r["choices"]
     assert choice["index"] == 0 and len(choice["token_ids"]) == 6 and choice["finish_reason"] == "length"
-    assert choice["stop_reason"] is None and choice["weight_versions"] == [0]
+    assert choice["stop_reason"] is None and choice["weight_versions"] == [{"version": "0", "start": 0, "end": 6}]
     content = choice["logprobs"]["content"]
     assert [c["token_id"] for c in content] == choice["token_ids"]
     assert all(c["token"] == f"token_id:{c['token_id']}" and -5 <= c["logprob"] < 0 for c in content)
     assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9, "cached_tokens": 0,
-                          "prompt_tokens_details": {"cached_tokens": 0}}
+                          "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": None}
     assert r["metrics"]["engine_s"] > 0 and r["metrics"]["engine_call_s"] >= r["metrics"]["engine_s"]
     # greedy: the same prompt gives the same ids (whichever engine serves it); no logprobs when not asked
     _, again = post(server, "/inference/v1/generate", {"token_ids": [10, 11, 12],
@@ -248,7 +248,7 @@ def test_pause_resume_and_update_weights(server):
     status, r = post(server, "/update_weights", {"weight_dir": "/checkpoints/step-7", "version": 7})
     assert status == 200 and r == {"weight_version": 7}
     _, r = post(server, "/inference/v1/generate", {"token_ids": [9], "sampling_params": {"max_tokens": 2}})
-    assert r["choices"][0]["weight_versions"] == [7]
+    assert [s["version"] for s in r["choices"][0]["weight_versions"]] == ["7"]
     assert metric(server, "weight_version") == 7 and request(server, "GET", "/is_paused")[1]["is_paused"] is False
     status, r = post(server, "/update_weights", {"weight_dir": "/x"})
     assert status == 400 and "version" in r["error"]["message"]

@@ -40,6 +40,7 @@ from .schemas import (
     check_unsupported,
     decode,
     struct_values,
+    weight_spans,
 )
 from .sessions import SessionLimit
 from .state import ServerState
@@ -47,6 +48,7 @@ from .state import ServerState
 __all__ = ["ServerState", "create_app"]
 
 _json = json_response
+VLLM_GENERATE_PREFIX = "generate-tokens-"
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> Response:
@@ -94,10 +96,12 @@ async def generate(state: ServerState, request: Request) -> Response:
         if want_lp and r.logprobs is not None:
             lps = ChoiceLogprobs([TokenLogprob(t, lp, f"token_id:{t}") for t, lp in zip(r.completion_ids, r.logprobs)])
         choices.append(GenerateChoice(index=i, token_ids=r.completion_ids, logprobs=lps, finish_reason=r.finish_reason,
-                                      stop_reason=r.stop_token_id, weight_versions=[r.weight_version]))
+                                      stop_reason=calls.stop_token_reason(state, r),
+                                      weight_versions=weight_spans(r.weight_version, len(r.completion_ids))))
     cached = max(r.cached_prompt_tokens for r in out.results)
     completion = sum(len(r.completion_ids) for r in out.results)
-    resp = GenerateResponse(request_id=rid, choices=choices, prompt_token_ids=body.token_ids,
+    resp = GenerateResponse(request_id=rid, model=state.model_names[0], created=int(time.time()), choices=choices,
+                            prompt_token_ids=body.token_ids,
                             usage=calls.usage(len(body.token_ids), completion, cached),
                             metrics=calls.timing(out, call_s))
     return _json(resp)
@@ -105,14 +109,25 @@ async def generate(state: ServerState, request: Request) -> Response:
 
 async def abort_requests(state: ServerState, request: Request) -> Response:
     body: AbortBody = decode(await calls.read_body(state, request), AbortBody)
-    aborted = await state.fleet.abort(body.request_ids)
+    # vLLM's server runs a /inference/v1/generate request as "generate-tokens-<request_id>" and aborts by that
+    # name; both spellings are accepted here, so a client written against vLLM aborts the same way
+    running = state.fleet.where
+    ids = [rid[len(VLLM_GENERATE_PREFIX):] if rid.startswith(VLLM_GENERATE_PREFIX) and rid not in running else rid
+           for rid in body.request_ids]
+    aborted = await state.fleet.abort(ids)
     state.metrics.inc("aborts_total", len(aborted), cause="abort_requests")
     return _json({"aborted": aborted})
 
 
 async def models(state: ServerState, request: Request) -> Response:
+    # vLLM's model card, its permission entry included (OpenAI clients of old read it)
+    permission = {"id": f"modelperm-{state.model_names[0]}", "object": "model_permission", "created": state.created,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+                  "group": None, "is_blocking": False}
     card = {"id": state.model_names[0], "object": "model", "created": state.created, "owned_by": "tito",
-            "root": state.root, "parent": None, "max_model_len": state.fleet.max_model_len}
+            "root": state.root, "parent": None, "max_model_len": state.fleet.max_model_len,
+            "permission": [permission]}
     return _json({"object": "list", "data": [card]})
 
 

@@ -106,7 +106,10 @@ def max_tokens_for(state: ServerState, prompt_len: int, requested: int | None) -
 def sampling(state: ServerState, prompt_len: int, max_tokens: int | None, *, temperature: float, top_p: float,
              top_k: int, seed: int | None, n: int, stop_token_ids: list[int] | None, ignore_eos: bool,
              extra_stops: tuple[int, ...] = ()) -> SamplingParams:
-    stops = tuple(dict.fromkeys([*extra_stops, *(stop_token_ids or [])]))
+    """The engine's sampling settings. As in vLLM, a completion stops at the model's EOS ids unless
+    ``ignore_eos``, whatever ``stop_token_ids`` says (the engines themselves stop only where told)."""
+    eos = () if ignore_eos else tuple(state.engine_info().eos_token_ids)
+    stops = tuple(dict.fromkeys([*extra_stops, *(stop_token_ids or []), *eos]))
     return SamplingParams(max_tokens=max_tokens_for(state, prompt_len, max_tokens), temperature=temperature,
                           top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stops, logprobs=True,
                           ignore_eos=ignore_eos, n=n)
@@ -238,6 +241,14 @@ def request_id(given: str | None, prefix: str) -> str:
     return given if given else f"{prefix}-{uuid.uuid4().hex}"
 
 
-def stop_reason(r: GenerateResult, text: TextStream | None) -> int | str | None:
-    """vLLM's ``stop_reason``: the stop string, or the stop token id, that ended the completion."""
-    return text.stop if text is not None and text.stopped else r.stop_token_id
+def stop_token_reason(state: ServerState, r: GenerateResult) -> int | None:
+    """vLLM's ``stop_reason`` for a stop token: None when the model's EOS ended the completion (vLLM checks EOS
+    first and reports no reason for it), else the stop token id."""
+    if r.stop_token_id is None or r.stop_token_id in state.engine_info().eos_token_ids:
+        return None
+    return r.stop_token_id
+
+
+def stop_reason(state: ServerState, r: GenerateResult, text: TextStream | None) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string, or the stop token id (None for EOS), that ended the completion."""
+    return text.stop if text is not None and text.stopped else stop_token_reason(state, r)

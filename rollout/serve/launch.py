@@ -34,8 +34,8 @@ def build_state(cfg: ServeConfig) -> tuple[ServerState, list[Any]]:
     out_dir = cfg.output.dir
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
+    specs = _engine_specs(cfg, model_path)  # type: ignore[arg-type]  # reads cfg.engine only; checked before Ray
     _init_ray(cfg)  # type: ignore[arg-type]  # reads cfg.ray only
-    specs = _engine_specs(cfg, model_path)  # type: ignore[arg-type]  # reads cfg.engine only
     if cfg.engine_in_process:
         # plain backends on the server's event loop (they bind to the loop that first uses them)
         engines = [asyncio.run(build_backend(s["kind"], s["kwargs"])) for s in specs for _ in range(s["replicas"])]

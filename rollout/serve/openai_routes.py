@@ -27,6 +27,7 @@ from .schemas import (
     check_unsupported,
     decode,
     struct_values,
+    weight_spans,
 )
 from .state import ServerState
 from .stops import MAX_STOP_STRINGS, TextStream
@@ -137,7 +138,7 @@ async def completions(state: ServerState, request: Request) -> Response:
             completion_tokens += len(r.completion_ids)
             text = ts[j].final_text if ts is not None else decode_text(r.completion_ids)
             choice: dict[str, Any] = {"index": len(choices), "text": text, "finish_reason": r.finish_reason,
-                                      "stop_reason": calls.stop_reason(r, ts[j] if ts else None)}
+                                      "stop_reason": calls.stop_reason(state, r, ts[j] if ts else None)}
             if body.logprobs is not None and r.logprobs is not None:
                 choice["logprobs"] = completion_logprobs(tok, r.completion_ids, r.logprobs,
                                                          body.return_tokens_as_token_ids)
@@ -146,16 +147,38 @@ async def completions(state: ServerState, request: Request) -> Response:
             if body.return_token_ids:
                 choice["token_ids"] = r.completion_ids
                 choice["prompt_token_ids"] = prompt
-            choice["weight_versions"] = [r.weight_version]
+            choice.update(prompt_logprobs=None, routed_experts=None,
+                          weight_versions=weight_spans(r.weight_version, len(r.completion_ids)))
             choices.append(choice)
     return _with_headers(calls.json_response({
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_names[0],
-        "choices": choices, "usage": calls.usage(prompt_tokens, completion_tokens, cached)}), ignored)
+        "choices": choices, "service_tier": None, "system_fingerprint": system_fingerprint(),
+        "usage": calls.usage(prompt_tokens, completion_tokens, cached),
+        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}), ignored)
+
+
+def system_fingerprint() -> str:
+    """``tito-<version>``, where vLLM sends ``vllm-<version>-<build>``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"tito-{version('tito')}"
+    except PackageNotFoundError:  # a source checkout that was never installed
+        return "tito-unknown"
 
 
 def completion_logprobs(tok, ids: list[int], lps: list[float], as_ids: bool) -> dict:
-    tokens = [f"token_id:{t}" for t in ids] if as_ids else [tok.decode([t]) for t in ids]
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
+    """OpenAI's legacy completion logprobs: per token its text, logprob, ``top_logprobs`` holding the sampled
+    token alone (the engines return no alternatives) and ``text_offset``, where its text starts in the
+    completion's text (each token's own decoding, summed; vLLM counts the same way)."""
+    texts = [tok.decode([t]) for t in ids]
+    tokens = [f"token_id:{t}" for t in ids] if as_ids else texts
+    offsets, at = [], 0
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": lps,
+            "top_logprobs": [{token: lp} for token, lp in zip(tokens, lps)], "text_offset": offsets}
 
 
 def chat_logprobs(tok, ids: list[int], lps: list[float], as_ids: bool) -> dict:
@@ -338,7 +361,8 @@ def chat_response(state: ServerState, body: ChatBody, rid: str, prompt: list[int
                    "reasoning_content": assistant.get("reasoning_content"),
                    "tool_calls": assistant.get("tool_calls", [])}
         choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": chat_finish(r, assistant),
-                                  "stop_reason": calls.stop_reason(r, text), "weight_versions": [r.weight_version],
+                                  "stop_reason": calls.stop_reason(state, r, text),
+                                  "weight_versions": weight_spans(r.weight_version, len(r.completion_ids)),
                                   # every tool-call attempt with its status, malformed ones included (RL rewards them)
                                   "tool_call_attempts": [{"name": c.name, "status": str(c.status), "error": c.error,
                                                           "raw": c.raw} for c in parsed.tool_calls]}
@@ -384,11 +408,10 @@ async def tokenize(state: ServerState, request: Request) -> Response:
             raise BadRequest("continue_final_message needs add_generation_prompt=false", "continue_final_message")
         ids = _stateless_prompt(state, chat, _template_kwargs(state, chat, False, []))
     else:
-        ids = tok.encode(body.prompt)
-        bos = tok.bos_token and tok.added_tokens.get(tok.bos_token)
-        if body.add_special_tokens and bos is not None and bos is not False and ids[:1] != [bos]:
-            ids = [bos, *ids]
-    out: dict[str, Any] = {"count": len(ids), "max_model_len": state.fleet.max_model_len, "tokens": ids}
+        # what the tokenizer's own post-processor adds (HF's tokenizer(text), vLLM's /tokenize): SmolLM2 adds no BOS
+        ids = tok.backend.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": state.fleet.max_model_len, "tokens": ids,
+                           "token_strs": None}
     if body.return_token_strs:
         out["token_strs"] = tok.backend.decode_batch([[t] for t in ids], skip_special_tokens=False)
     return calls.json_response(out)

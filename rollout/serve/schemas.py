@@ -133,13 +133,29 @@ class ChoiceLogprobs(msgspec.Struct):
     content: list[TokenLogprob]
 
 
+class WeightVersionSpan(msgspec.Struct):
+    """vLLM's ``WeightVersionSpan``: completion tokens ``[start, end)`` were sampled by weights ``version``
+    (tito's integer version as a string, as vLLM labels weights with strings)."""
+
+    version: str
+    start: int
+    end: int
+
+
+def weight_spans(version: int, tokens: int) -> list[WeightVersionSpan]:
+    """One span: every completion is sampled under one weight version (updates drain requests first)."""
+    return [WeightVersionSpan(str(version), 0, tokens)]
+
+
 class GenerateChoice(msgspec.Struct):
     index: int
     token_ids: list[int]
     logprobs: ChoiceLogprobs | None
     finish_reason: str
     stop_reason: int | None
-    weight_versions: list[int]
+    weight_versions: list[WeightVersionSpan]
+    routed_experts: None = None  # vLLM's MoE routing record and sampling mask: not recorded here
+    sampling_mask: None = None
 
 
 class PromptTokensDetails(msgspec.Struct):
@@ -152,6 +168,7 @@ class Usage(msgspec.Struct):
     total_tokens: int
     cached_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: None = None
 
 
 class Timing(msgspec.Struct):
@@ -166,11 +183,22 @@ class Timing(msgspec.Struct):
 
 
 class GenerateResponse(msgspec.Struct):
+    """vLLM's ``GenerateTokensResponse``; the fields tito never fills (prompt logprobs, multimodal, KV transfer)
+    are null, as vLLM sends them when unused."""
+
     request_id: str
+    model: str
+    created: int
     choices: list[GenerateChoice]
     prompt_token_ids: list[int]
     usage: Usage
     metrics: Timing
+    output_mode: str = "tokens"
+    prompt_logprobs: None = None
+    prompt_token_id_logprobs: None = None
+    mm_placeholders: None = None
+    kv_transfer_params: None = None
+    ec_transfer_params: None = None
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):

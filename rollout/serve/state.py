@@ -37,7 +37,8 @@ class ServerState:
     def engine_info(self) -> EngineInfo:
         info = self.fleet.infos[0]
         return EngineInfo(backend=info.backend, model=info.model, vocab_size=self.fleet.vocab_size,
-                          max_model_len=self.fleet.max_model_len, weight_version=self.fleet.weight_version)
+                          max_model_len=self.fleet.max_model_len, weight_version=self.fleet.weight_version,
+                          eos_token_ids=list(info.eos_token_ids))
 
     @cached_property
     def max_token_bytes(self) -> int:

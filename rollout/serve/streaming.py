@@ -84,7 +84,7 @@ def stream_completion(state: ServerState, request: Request, body: CompletionsBod
                 for i, r in enumerate(out.results):
                     texts[i].finish()
                     yield chunk([{"index": i, "text": texts[i].take(), "logprobs": None,
-                                  "finish_reason": r.finish_reason, "stop_reason": calls.stop_reason(r, texts[i])}])
+                                  "finish_reason": r.finish_reason, "stop_reason": calls.stop_reason(state, r, texts[i])}])
                 if _include_usage(body):
                     yield chunk([], usage=calls.usage(len(prompt), sum(len(r.completion_ids) for r in out.results),
                                                       max(r.cached_prompt_tokens for r in out.results)))
@@ -174,7 +174,7 @@ def stream_chat(state: ServerState, request: Request, body: ChatBody, c: Call, t
                         delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(assistant["tool_calls"])]
                     final: dict[str, Any] = {
                         "index": i, "delta": delta, "logprobs": None, "finish_reason": chat_finish(r, assistant),
-                        "stop_reason": calls.stop_reason(r, text),
+                        "stop_reason": calls.stop_reason(state, r, text),
                         "tool_call_attempts": [{"name": t.name, "status": str(t.status), "error": t.error, "raw": t.raw}
                                                for t in parsed.tool_calls]}
                     extra = {"session": turn.info} if turn is not None and i == n - 1 else {}
