@@ -108,8 +108,28 @@ def _init_ray(cfg: RunConfig) -> None:
                  log_to_driver=False)
 
 
+def _check_engine_options(backend: str, options: dict[str, Any]) -> None:
+    """Refuse options the backend's constructor does not take, naming them and the ones it does, before any
+    engine starts (an actor would otherwise fail with a TypeError deep in its start-up)."""
+    import importlib
+    import inspect
+
+    from actors.engine import BACKENDS
+
+    module_name, _, cls_name = BACKENDS[backend].partition(":")
+    params = inspect.signature(getattr(importlib.import_module(module_name), cls_name)).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    allowed = sorted(n for n, p in params.items() if p.kind is not p.VAR_POSITIONAL)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"engine.options: {', '.join(unknown)} not an option of the {backend} backend "
+                         f"(its options: {', '.join(allowed)})")
+
+
 def _engine_specs(cfg: RunConfig, model_path: str) -> list[dict[str, Any]]:
     options = dict(cfg.engine.options)
+    _check_engine_options(cfg.engine.backend, options)
     num_gpus = cfg.engine.num_gpus
     if cfg.engine.backend == "embedded":
         options.setdefault("model", model_path)
@@ -187,6 +207,7 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
     if out_dir.exists() and output_shards(out_dir) and not resume:
         raise ValueError(f"output directory {out_dir} already holds shards: pass --resume to continue it, "
                          "or choose another output.dir")
+    _check_engine_options(cfg.engine.backend, dict(cfg.engine.options))
     if not cfg.ray.address:  # first: a run that cannot start says so in seconds, before any loading
         _preflight_engines(cfg, cluster=False)
     config = cfg.model_dump(mode="json")

@@ -68,3 +68,13 @@ def test_resume_differences_name_every_field(tmp_path):
     check_resume(out, saved, "a" * 64)  # same config, same template: fine
     with pytest.raises(ResumeMismatch, match="template_sha256: a{16} -> b{16}"):
         check_resume(out, saved, "b" * 64)
+
+
+def test_engine_options_the_backend_does_not_take_are_refused_naming_them():
+    from rollout.run import _check_engine_options
+
+    _check_engine_options("vllm", {"max_model_len": 2048, "enforce_eager": True})  # accepted
+    with pytest.raises(ValueError, match=r"threads not an option of the vllm backend \(its options: .*enforce_eager"):
+        _check_engine_options("vllm", {"threads": 1})  # what configs/serve.yaml sets for the embedded engine
+    with pytest.raises(ValueError, match="thread not an option of the embedded backend"):
+        _check_engine_options("embedded", {"thread": 2})
