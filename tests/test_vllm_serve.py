@@ -309,3 +309,36 @@ def test_abort_requests_side_by_side(servers):
         choice = body["choices"][0]
         assert choice["finish_reason"] == "abort" and len(choice["token_ids"]) < MAX_MODEL_LEN - 64, name
 
+
+
+def test_update_weights_route_loads_a_training_step(servers, tmp_path):
+    """POST /update_weights with a training step's checkpoint (prime-rl's call): later samples carry the new
+    version and their logprobs are a forward pass of the NEW weights; the repeated prompt is not served from
+    KV cached under the old weights; a bad checkpoint is a 400 and changes nothing."""
+    from tests.test_vllm_real import _forward_logprobs, _trained_checkpoint
+
+    base, model = servers["tito"], model_dir()
+    ckpt = _trained_checkpoint(model, tmp_path / "step-1")
+    prompt = _prompt() * 7  # over two of vLLM's 128-token CPU cache blocks
+    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 12, "temperature": 1.0, "seed": 5,
+                                                     "ignore_eos": True, "logprobs": 1}}
+    _call(base, "POST", "/inference/v1/generate", body)
+    status, before = _call(base, "POST", "/inference/v1/generate", body)
+    assert status == 200 and before["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+    status, answer = _call(base, "POST", "/update_weights", {"weight_dir": str(ckpt), "version": 1})
+    assert status == 200 and answer == {"weight_version": 1}, answer
+    status, after = _call(base, "POST", "/inference/v1/generate", body)
+    assert status == 200
+    choice = after["choices"][0]
+    assert choice["weight_versions"] == [{"version": "1", "start": 0, "end": 12}]
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "old-weight KV served after the update"
+    ids, lps = choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
+    new = _forward_logprobs(str(ckpt), prompt, ids)
+    old = _forward_logprobs(model, prompt, ids)
+    assert max(abs(a - b) for a, b in zip(lps, new)) <= LOGPROB_ATOL
+    assert max(abs(a - b) for a, b in zip(lps, old)) > 10 * LOGPROB_ATOL
+    status, err = _call(base, "POST", "/update_weights", {"weight_dir": str(tmp_path / "missing"), "version": 2})
+    assert status == 400 and "not a directory" in err["error"]["message"], err
+    status, again = _call(base, "POST", "/inference/v1/generate", body)
+    assert status == 200 and again["choices"][0]["weight_versions"][0]["version"] == "1"
+    assert before["choices"][0]["weight_versions"][0]["version"] == "0"
