@@ -6,9 +6,9 @@ Runs in .venv-vllm (``make test-vllm``); elsewhere it is skipped with the reason
 subprocesses of the venv's own ``tito``, as a user runs them: ~1 min for vLLM's load, ~30 s for the embedded one.
 
 Sampling is at temperature 1, top-p 1: the stored logprob is then the model's raw softmax, what a trainer's
-forward pass computes. (At the demo's temperature 0.8 / top-p 0.95 the nucleus boundary moves with 1e-5 logit
-differences, and a token whose nucleus differs by one entry is renormalised differently: measured 3 of 1,425
-tokens over 1e-3, max 0.0095; docs/engines.md.)
+forward pass computes. (At the demo's temperature 0.8 / top-p 0.95, 3 of 1,425 tokens were over 1e-3, max 0.0095:
+each where the nucleus's cumulative mass is within 3e-6 of 0.95, so float rounding decides whether one more token
+is kept; docs/engines.md.)
 """
 
 from __future__ import annotations

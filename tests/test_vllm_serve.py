@@ -190,6 +190,8 @@ def _requests(prompt: list[int], greedy: list[int]) -> list[tuple[str, str, str,
         ("generate ignore_eos", "POST", gen, {"token_ids": prompt, "sampling_params": {
             "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}}),
         ("generate greedy n=2", "POST", gen, {"token_ids": prompt, "sampling_params": {**sp, "n": 2}}),
+        ("generate n over vLLM's limit", "POST", gen, {"token_ids": prompt, "sampling_params": {
+            "max_tokens": 4, "temperature": 1.0, "n": 100_000}}),
         ("completions greedy", "POST", "/v1/completions", {
             "model": NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "logprobs": 1,
             "return_token_ids": True}),
@@ -272,6 +274,15 @@ def test_same_tokens_and_logprobs(side_by_side):
         assert finishes[0] == finishes[1], f"{row['route']}: finish reasons {finishes}"
         compared += 1
     assert compared >= 7
+
+
+def test_vllm_validation_error_reaches_the_client(side_by_side):
+    """A request only vLLM's own checks refuse is a 400 on both, and tito's message carries vLLM's."""
+    row = next(r for r in side_by_side if r["route"] == "generate n over vLLM's limit")
+    (vs, vbody), (ts, tbody) = row["vllm"], row["tito"]
+    assert vs == ts == 400, (vs, ts)
+    assert "n must be at most" in vbody["error"]["message"]
+    assert "n must be at most" in tbody["error"]["message"], tbody
 
 
 def test_models_tokenize_detokenize_values(side_by_side):
