@@ -244,7 +244,7 @@ class VLLMEngine:
             kwargs["max_num_seqs"] = max_num_seqs
         kwargs.update(extra)
         kwargs.update(_FORCED_ARGS)
-        kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)  # re-ties embeddings after a reload
+        kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)  # refreshes a tied lm_head after each reload
         kwargs["max_logprobs"] = max(1, int(kwargs.get("max_logprobs") or 1))
 
         self._SamplingParams = SamplingParams
