@@ -100,16 +100,20 @@ class EngineSpec:
         return base
 
 
+def backend_class(kind: str) -> type:
+    """The backend class of a kind (see :data:`BACKENDS`), imported."""
+    module_name, _, cls_name = BACKENDS.get(kind, kind).partition(":")
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
 async def build_backend(kind: str, kwargs: Mapping[str, Any]) -> EngineBackend:
     """Import and construct a backend by kind (see :data:`BACKENDS`); an async ``create`` classmethod is
     preferred when the class has one."""
-    target = BACKENDS.get(kind, kind)
-    module_name, _, cls_name = target.partition(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
+    cls = backend_class(kind)
     create = getattr(cls, "create", None)
     backend = await create(**kwargs) if inspect.iscoroutinefunction(create) else cls(**kwargs)
     if not isinstance(backend, EngineBackend):
-        raise TypeError(f"{target} does not implement EngineBackend")
+        raise TypeError(f"{BACKENDS.get(kind, kind)} does not implement EngineBackend")
     return backend
 
 
@@ -139,11 +143,8 @@ class EngineActorImpl:
         if self._building is None:
             self._loop = asyncio.get_running_loop()
             self._building = asyncio.ensure_future(build_backend(self.kind, self.kwargs))
-        building = self._building
-        if self._loop is not asyncio.get_running_loop():
-            building = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_awaited(building), self._loop))
         try:
-            self._backend = await building
+            self._backend = await self._home(self._building)
         except BaseException:
             if self._building is not None and self._building.done():
                 self._building = None  # a failed build may be tried again

@@ -111,13 +111,11 @@ def _init_ray(cfg: RunConfig) -> None:
 def _check_engine_options(backend: str, options: dict[str, Any]) -> None:
     """Refuse options the backend's constructor does not take, naming them and the ones it does, before any
     engine starts (an actor would otherwise fail with a TypeError deep in its start-up)."""
-    import importlib
     import inspect
 
-    from actors.engine import BACKENDS
+    from actors.engine import backend_class
 
-    module_name, _, cls_name = BACKENDS[backend].partition(":")
-    params = inspect.signature(getattr(importlib.import_module(module_name), cls_name)).parameters
+    params = inspect.signature(backend_class(backend)).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return
     allowed = sorted(n for n, p in params.items() if p.kind is not p.VAR_POSITIONAL)
@@ -127,22 +125,28 @@ def _check_engine_options(backend: str, options: dict[str, Any]) -> None:
                          f"(its options: {', '.join(allowed)})")
 
 
+def _engine_num_gpus(cfg: RunConfig) -> float | None:
+    """GPUs per engine actor: the config's, else none on vLLM's CPU build (None: the kind's default)."""
+    if cfg.engine.num_gpus is None and cfg.engine.backend == "vllm":
+        from .engines.vllm_backend import vllm_platform
+
+        if vllm_platform() == "cpu":
+            return 0.0  # the engine actor holds one CPU, no GPU
+    return cfg.engine.num_gpus
+
+
 def _engine_specs(cfg: RunConfig, model_path: str) -> list[dict[str, Any]]:
+    """The engine actors' specs (the options checked first with :func:`_check_engine_options`)."""
     options = dict(cfg.engine.options)
-    _check_engine_options(cfg.engine.backend, options)
-    num_gpus = cfg.engine.num_gpus
     if cfg.engine.backend == "embedded":
         options.setdefault("model", model_path)
     elif cfg.engine.backend == "vllm":
-        from .engines.vllm_backend import vllm_platform
         from .models import model_dir
 
         # vLLM loads a safetensors directory: a GGUF (the default model) is converted once into the cache
         options.setdefault("model", str(model_dir(model_path)))
-        if num_gpus is None and vllm_platform() == "cpu":
-            num_gpus = 0.0  # vLLM's CPU build: the engine actor holds one CPU, no GPU
     return [{"kind": cfg.engine.backend, "kwargs": options, "max_concurrency": cfg.engine.max_concurrency,
-             "replicas": cfg.engine.count, "num_cpus": cfg.engine.num_cpus, "num_gpus": num_gpus}]
+             "replicas": cfg.engine.count, "num_cpus": cfg.engine.num_cpus, "num_gpus": _engine_num_gpus(cfg)}]
 
 
 def _model_path(name: str) -> Path:
@@ -171,12 +175,9 @@ def _preflight_engines(cfg: RunConfig, *, cluster: bool) -> None:
     otherwise wait forever for a GPU resource). Local: before Ray starts; a cluster: once joined."""
     if cfg.engine.backend != "vllm":
         return
-    from .engines.vllm_backend import cluster_gpu_problem, local_vllm_problem, vllm_platform
+    from .engines.vllm_backend import cluster_gpu_problem, local_vllm_problem
 
-    num_gpus = cfg.engine.num_gpus
-    if num_gpus is None and vllm_platform() == "cpu":
-        num_gpus = 0.0
-    problem = cluster_gpu_problem(cfg.engine.count, num_gpus) if cluster else local_vllm_problem()
+    problem = cluster_gpu_problem(cfg.engine.count, _engine_num_gpus(cfg)) if cluster else local_vllm_problem()
     if problem:
         raise ValueError(problem)
 

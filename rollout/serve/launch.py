@@ -28,13 +28,14 @@ def build_state(cfg: ServeConfig) -> tuple[ServerState, list[Any]]:
     from actors.renderer import start_renderer_actors
     from tito_renderers import create_renderer, load_tokenizer
 
-    from ..run import _engine_specs, _init_ray, _model_path
+    from ..run import _check_engine_options, _engine_specs, _init_ray, _model_path
 
+    _check_engine_options(cfg.engine.backend, dict(cfg.engine.options))  # before anything loads
     model_path = str(_model_path(cfg.model))
     out_dir = cfg.output.dir
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-    specs = _engine_specs(cfg, model_path)  # type: ignore[arg-type]  # reads cfg.engine only; checked before Ray
+    specs = _engine_specs(cfg, model_path)  # type: ignore[arg-type]  # reads cfg.engine only; before Ray
     _init_ray(cfg)  # type: ignore[arg-type]  # reads cfg.ray only
     if cfg.engine_in_process:
         # plain backends on the server's event loop (they bind to the loop that first uses them)
