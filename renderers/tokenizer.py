@@ -238,7 +238,9 @@ def _load_directory(directory: Path) -> Tokenizer:
     return _from_transformers(hf, str(directory), _generation_eos_ids(directory))
 
 
-def _load_gguf(path: Path) -> Tokenizer:
+def gguf_tokenizer_dir(path: Path) -> Path:
+    """The directory a GGUF file's tokenizer is converted into (transformers' conversion, once, in the cache):
+    tokenizer.json, its config and the GGUF's chat template byte-exact."""
     from transformers import AutoTokenizer
 
     stat = path.stat()
@@ -258,7 +260,11 @@ def _load_gguf(path: Path) -> Tokenizer:
             tmp.rename(cached)
         except OSError:  # another process converted it first
             shutil.rmtree(tmp, ignore_errors=True)
-    tok = _load_directory(cached)
+    return cached
+
+
+def _load_gguf(path: Path) -> Tokenizer:
+    tok = _load_directory(gguf_tokenizer_dir(path))
     tok.name_or_path = str(path)
     return tok
 

@@ -119,12 +119,9 @@ def converted_dir(gguf: Path) -> Path:
 def _add_tokenizer(gguf: Path, target: Path) -> None:
     """Put the GGUF's tokenizer files (transformers' conversion, cached by ``load_tokenizer``) into ``target``,
     each by an atomic rename, so the directory is a whole HF model that vLLM's own server can serve."""
-    from tito_renderers import load_tokenizer
-    from tito_renderers.tokenizer import cache_dir as tokenizer_cache
+    from tito_renderers.tokenizer import gguf_tokenizer_dir
 
-    load_tokenizer(gguf)  # converts the tokenizer into its cache once
-    source = tokenizer_cache() / "tokenizers" / _gguf_key(gguf)
-    for f in sorted(source.iterdir()):
+    for f in sorted(gguf_tokenizer_dir(gguf).iterdir()):
         if f.is_file() and not (target / f.name).exists():
             partial = target / f".{f.name}.partial"
             shutil.copyfile(f, partial)
