@@ -33,8 +33,6 @@ What it sends to vLLM (see docs/engines.md and the vLLM 0.33 notes):
   ``cached_prompt_tokens``. vLLM's client errors (``VLLMClientError``, and ``ValueError``) become
   :class:`EngineError` carrying vLLM's message and parameter; any other engine exception becomes results with
   finish "error" and the message in ``error``.
-* vLLM's own weight version label (``update_weight_version``) is kept equal to ``str(version)``, so the spans
-  vLLM records per completion (``CompletionOutput.weight_versions``) name the same version tito stamps.
 * On CPU, vLLM sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or, unset, from most of the machine's
   memory; the backend sets it to ``cpu_kvcache_gib`` (default 2) when the variable is not already set.
 """
@@ -279,7 +277,6 @@ class VLLMEngine:
         self._idle = asyncio.Event()  # set: no request of ours is in flight
         self._idle.set()
         self._update_lock = asyncio.Lock()
-        self._labelled = False  # vLLM's weight-version label set to str(self._version)
 
     @classmethod
     async def create(cls, model: str, **kwargs: Any) -> VLLMEngine:
@@ -334,8 +331,6 @@ class VLLMEngine:
         version = self._version
         t0 = time.perf_counter()
         try:
-            if not self._labelled:
-                await self._label(version)
             params = self.sampling_params(request)
             prompt = self._tokens_input(list(request.prompt_ids), cache_salt=cache_salt(version))
             final = None
@@ -395,7 +390,6 @@ class VLLMEngine:
                     if self._extension:  # vLLM's reload leaves a tied lm_head stale (vllm_worker.py)
                         await self._engine.collective_rpc("tito_refresh_tied_lm_head")
                     await self._engine.reset_prefix_cache(reset_running_requests=True)
-                    await self._label(int(version))
                     self._version = int(version)
                 finally:
                     await self._engine.resume_generation()
@@ -417,7 +411,6 @@ class VLLMEngine:
         changes their cache salt)."""
         if weight_version is not None:
             self._version = int(weight_version)
-            await self._label(self._version)
         try:
             await self._engine.resume_generation()
         finally:
@@ -435,13 +428,6 @@ class VLLMEngine:
         self._engine.shutdown()
 
     # -- helpers ----------------------------------------------------------------------------------------------
-
-    async def _label(self, version: int) -> None:
-        """Name the weights ``str(version)`` in vLLM too (its per-completion ``weight_versions`` spans)."""
-        label = getattr(self._engine, "update_weight_version", None)
-        if callable(label):
-            await label(str(version))
-        self._labelled = True
 
     def _result(self, c: Any, request: GenerateRequest, version: int, cached: int, elapsed: float) -> GenerateResult:
         ids = [int(t) for t in c.token_ids]
