@@ -174,11 +174,17 @@ class Renderer:
         prev_completion_ids: list[int],
         new_messages: Any,
         tools: Any = None,
+        *,
+        history: Any = None,
         **template_kwargs: Any,
     ) -> Bridged | Break:
         """The next prompt, append-only: prev prompt + prev completion + the new messages + the
         generation prompt. A completion that ended without closing its turn (truncated) gets the
-        close synthesized as context. Returns a ``Break`` with its reason where that is impossible."""
+        close synthesized as context. ``history`` (the messages behind ``prev_prompt_ids``) is for the
+        generic renderer's full-render bridge; a hand-coded family bridges from the ids alone. Returns a ``Break`` with its reason where that is impossible; an
+        empty previous prompt is one (there is no rendered conversation to extend)."""
+        if len(prev_prompt_ids) == 0:  # (an array's truth value is ambiguous)
+            return empty_prompt_break(prev_completion_ids)
         if not template_kwargs:  # the common call: no per-call kwargs to check or swap in
             return self._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools)
         try:
@@ -301,6 +307,16 @@ class Renderer:
 
     def _parse_call(self, body_ids: list[int], span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
         return parse_json_call(self.tokenizer.decode(body_ids), span, tool_names)
+
+
+def empty_prompt_break(completion: list[int]) -> Break:
+    """The Break for a bridge from no previous prompt: the ids a bridge extends must start with a
+    rendered conversation (the PyPI renderers library refuses it too)."""
+    return Break(
+        BreakReason.EMPTY_PREVIOUS_PROMPT,
+        "the previous prompt is empty: a bridge extends a rendered prompt; render the conversation instead",
+        len(completion),
+    )
 
 
 def bridged(prompt: list[int], completion: list[int], closing: list[int], tail: RenderedTokens) -> Bridged:

@@ -42,8 +42,23 @@ class _Entry:
     completion: list[int] | None = None  # the sampled turn before ``messages``, parsed only when recalled
 
 
+def _size(entry: _Entry) -> int:
+    """An entry's memory, roughly: 8 bytes an id (CPython list slots to small ints) and the message
+    texts' characters (their str objects; the dict scaffolding around them is not counted)."""
+    texts = 0
+    for m in entry.messages:
+        for v in m.values():
+            if isinstance(v, str):
+                texts += len(v)
+            elif v is not None:
+                texts += len(repr(v))  # tool calls and content parts: rare, and their repr is near their size
+    return 8 * (len(entry.tail) + len(entry.completion or ())) + texts + 200
+
+
 class Conversations:
-    """Prompt ids -> the conversation they render, for the last ``limit`` prompts a renderer produced.
+    """Prompt ids -> the conversation they render, for the latest prompts a renderer produced, at most
+    ``max_bytes`` of them (roughly: see :func:`_size`), the oldest dropped first. (A dropped entry that a
+    newer bridge's entry links to lives on with it: a rollout's chain holds its conversation once.)
 
     Remembering costs O(1) in the history: the key is a prompt's length and last ids, and a bridge's
     entry keeps only what it appended and a link to its parent's, so the append-only bridge stays flat
@@ -51,9 +66,10 @@ class Conversations:
     conversation is rendered anyway, rebuilds the prompt from the chain and compares it with the
     caller's ids exactly (a key shared by another prompt is never taken for this one)."""
 
-    def __init__(self, limit: int = 4096) -> None:
-        self.limit = limit
-        self._entries: dict[tuple, _Entry] = {}
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: dict[tuple, tuple[_Entry, int]] = {}
 
     @staticmethod
     def _key(ids: list[int]) -> tuple:
@@ -61,10 +77,20 @@ class Conversations:
 
     def _put(self, key: tuple, entry: _Entry) -> None:
         entries = self._entries
-        entries.pop(key, None)
-        if len(entries) >= self.limit:
-            del entries[next(iter(entries))]  # the oldest
-        entries[key] = entry
+        old = entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old[1]
+        size = _size(entry)
+        if size > self.max_bytes:
+            return  # larger than the whole budget: kept by no one (the others stay)
+        while entries and self.bytes + size > self.max_bytes:
+            self.bytes -= entries.pop(next(iter(entries)))[1]  # the oldest
+        entries[key] = (entry, size)
+        self.bytes += size
+
+    def _get(self, key: tuple) -> _Entry | None:
+        found = self._entries.get(key)
+        return None if found is None else found[0]
 
     def remember(self, ids: list[int], messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any]) -> None:
         """``ids`` is the prompt rendered from ``messages`` (with the generation prompt)."""
@@ -76,7 +102,7 @@ class Conversations:
         """``ids`` is the prompt that bridging from ``prompt`` produced: ``completion`` (the sampled turn,
         kept as ids and parsed only if ever recalled) and the ``new`` messages appended. Nothing is
         kept when ``prompt`` is unknown."""
-        parent = self._entries.get(self._key(prompt))
+        parent = self._get(self._key(prompt))
         if parent is not None:
             entry = _Entry(ids[len(prompt) :], list(new), parent, tools, dict(kwargs), list(completion))
             self._put(self._key(ids), entry)
@@ -88,7 +114,7 @@ class Conversations:
         sampled turn into its assistant message), or None: unknown, or a remembered chain whose ids
         are not ``prompt`` exactly."""
         key = self._key(prompt)
-        entry = self._entries.get(key)
+        entry = self._get(key)
         if entry is None or entry.tools != tools or entry.kwargs != kwargs:
             return None
         tails: list[list[int]] = []

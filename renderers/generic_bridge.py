@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import TemplateRejected, bridged
+from .base import TemplateRejected, bridged, empty_prompt_break
 from .full_bridge import assistant_message, full_bridge
 from .long_pieces import encode_pieces
 from .messages import MessageError, normalize_messages
 from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, closers, splice_point
+from .recover import recover_conversation
 from .types import Break, BreakReason, Bridged
 
 # Breaks of the splice that say this conversation's render is not append-only: the full render decides.
@@ -38,16 +39,20 @@ class GenericBridge:
         """As :meth:`Renderer.bridge`. ``history``: the messages ``prev_prompt_ids`` was rendered from;
         where the probe finds the template not append-only for the new messages, the bridge renders
         the whole conversation and extends when that render starts with the previous ids exactly
-        (renderers/full_bridge.py). Without it, the conversation of a prompt this renderer produced
-        (a render with the generation prompt, or a bridge) is recalled."""
-        prefix_len = len(prev_prompt_ids) + len(prev_completion_ids)
+        (renderers/full_bridge.py). It is read only then (a caller holding its conversation passes it
+        by reference at no cost; nothing of it is kept). Without it, the conversation of a prompt this
+        renderer produced (a render with the generation prompt, or a bridge) is recalled, else
+        recovered from the ids alone (renderers/recover.py)."""
+        if len(prev_prompt_ids) == 0:  # (an array's truth value is ambiguous)
+            return empty_prompt_break(prev_completion_ids)
+        if not template_kwargs:
+            return self._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools, history)
         try:
             overrides = self.check_template_kwargs(template_kwargs)
-            known = None if history is None else normalize_messages(history)
-        except (ValueError, MessageError) as exc:
-            return Break(BreakReason.INVALID_MESSAGES, str(exc), prefix_len)
+        except ValueError as exc:
+            return Break(BreakReason.INVALID_MESSAGES, str(exc), len(prev_prompt_ids) + len(prev_completion_ids))
         with self._kwargs_for_call(overrides):
-            return self._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools, known)
+            return self._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools, history)
 
     def _bridge(self, prev_prompt_ids, prev_completion_ids, new_messages, tools, history=None) -> Bridged | Break:
         prefix_len = len(prev_prompt_ids) + len(prev_completion_ids)
@@ -84,13 +89,10 @@ class GenericBridge:
                 why = result.detail  # the splice found this conversation's render not append-only
         if why is not None:
             result = self._bridge_in_full(prev_prompt_ids, completion, msgs, tool_defs, history, why, closing_ids, result)
-        if isinstance(result, Bridged):
-            kw = self.template_kwargs
-            if history is not None:
-                added = [*history, assistant_message(self, completion, tool_defs), *msgs]
-                self._conversations.remember(result.token_ids, added, tool_defs, kw)
-            else:  # O(1) in the history: the sampled turn is parsed only if a later bridge needs it
-                self._conversations.extend(prev_prompt_ids, result.token_ids, completion, msgs, tool_defs, kw)
+        if isinstance(result, Bridged) and history is None:
+            # O(1) in the history: the sampled turn is parsed only if a later bridge needs it (a caller that
+            # passes its history holds the conversation itself: nothing is remembered for it)
+            self._conversations.extend(prev_prompt_ids, result.token_ids, completion, msgs, tool_defs, self.template_kwargs)
         return result
 
     def _bridge_in_full(self, prompt, completion, msgs, tools, history, why, closing_ids, splice_break) -> Bridged | Break:
@@ -98,8 +100,17 @@ class GenericBridge:
         that conversation is unknown, the splice's Break, or the probe's finding as one."""
         prefix_len = len(prompt) + len(completion)
         tk = self.template_kwargs
-        if history is None:
+        if history is not None:
+            try:
+                history = normalize_messages(history)
+            except MessageError as exc:
+                return Break(BreakReason.INVALID_MESSAGES, f"history: {exc}", prefix_len)
+        else:
             history = self._conversations.recall(prompt, tools, tk, lambda ids: assistant_message(self, ids, tools))
+        if history is None:
+            history = recover_conversation(self, prompt, tools)
+            if history is not None:
+                self._conversations.remember(prompt, history, tools, tk)
         if history is None:
             if splice_break is not None:
                 return splice_break
@@ -109,7 +120,8 @@ class GenericBridge:
             return Break(
                 reason,
                 f"the generic renderer cannot bridge: {why.removeprefix('MOVES: ')}, and the conversation behind "
-                "the previous prompt is unknown (not rendered or bridged by this renderer; pass history=)",
+                "the previous prompt is unknown: not remembered, and no conversation recovered from its ids "
+                "re-renders to them exactly (pass history=)",
                 prefix_len,
             )
         assistant = assistant_message(self, completion, tools)

@@ -106,6 +106,7 @@ class BreakReason(enum.StrEnum):
     TEMPLATE_NOT_APPEND_ONLY = "template_not_append_only"
     INVALID_MESSAGES = "invalid_messages"
     TEMPLATE_ERROR = "template_error"
+    EMPTY_PREVIOUS_PROMPT = "empty_previous_prompt"
 
 
 class Break(msgspec.Struct):

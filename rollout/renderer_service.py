@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,26 @@ from .shards import BREAKS, DATA_DIR, SAMPLING_COLUMNS, STREAM, ShardWriter
 # the parsed assistant message). The driver parses (the same renderer code on the same tokenizer), so
 # a turn costs one call to this service instead of two.
 Turn = tuple[int, list[int], "list[float] | None", int, dict]
+
+
+class _Before(Sequence):
+    """A rollout's messages without the last (the assistant turn just recorded): the conversation behind
+    its current prompt, read in place."""
+
+    __slots__ = ("_messages",)
+
+    def __init__(self, messages: list[dict]) -> None:
+        self._messages = messages
+
+    def __len__(self) -> int:
+        return len(self._messages) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._messages[: len(self)][i]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self._messages[i if i >= 0 else i - 1]
 
 
 class _Rollout:
@@ -112,7 +133,9 @@ class RendererService:
         ro = self.rollouts[rollout_id]
         ids = ro.builder.current.token_ids
         cut = len(ids) - ro.last_completion_len
-        result = self.renderer.bridge(ids[:cut], ids[cut:], new_messages, ro.tools)
+        # the conversation behind the prompt: ro.messages up to the completion just recorded (a view, not
+        # a copy; the generic renderer reads it only where it renders the whole conversation)
+        result = self.renderer.bridge(ids[:cut], ids[cut:], new_messages, ro.tools, history=_Before(ro.messages))
         offset = len(ro.messages)
         ro.messages.extend(new_messages)
         if isinstance(result, Break):

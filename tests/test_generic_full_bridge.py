@@ -73,43 +73,48 @@ FAMILIES = [ALL_FAMILIES[0], ALL_FAMILIES[2], ALL_FAMILIES[-1]]
 
 
 def measure(family: Family, convs=CONVS) -> dict:
-    """Bridge every assistant turn followed by new messages, before (no history: the probe's answer
-    alone) and after (the history given): breaks, needless breaks and exact bridges. Asserts every
-    bridge of the full-render path equals the reference."""
-    before_r = family.renderer()
-    after_r = family.renderer()
-    c = {"turns": 0, "breaks_before": 0, "needless_before": 0, "breaks_after": 0, "needless_after": 0, "exact": 0, "kept": 0}
-    for case in bridge_cases(family, after_r, convs):
+    """Bridge every assistant turn followed by new messages, from the ids alone in a renderer that never
+    saw the prompt ("ids": the previous prompt is transformers' render, so the conversation behind it
+    must be recovered from its ids) and with the history given ("history"): breaks, needless breaks
+    (the reference's full render does extend the previous ids) and exact bridges. Asserts every bridge
+    keeps the previous ids and equals the reference wherever the reference is append-stable."""
+    with_history = family.renderer()
+    c = {"turns": 0, "breaks_ids": 0, "needless_ids": 0, "breaks_history": 0, "needless_history": 0, "exact": 0, "kept": 0}
+    for case in bridge_cases(family, with_history, convs):
         prompt, completion, tools = case.prompt, case.completion, case.tools
         c["turns"] += 1
-        old = before_r.bridge(prompt, completion, case.new, tools)
-        new_result = after_r.bridge(prompt, completion, case.new, tools, history=case.messages[: case.k])
-        for key, result in (("before", old), ("after", new_result)):
+        from_ids = family.renderer().bridge(prompt, completion, case.new, tools)  # a fresh renderer each time
+        given = with_history.bridge(prompt, completion, case.new, tools, history=case.messages[: case.k])
+        for key, result in (("ids", from_ids), ("history", given)):
             if isinstance(result, Break):
                 assert result.reason in set(BreakReason)
                 c[f"breaks_{key}"] += 1
                 c[f"needless_{key}"] += case.stable
-        if isinstance(new_result, Bridged):
-            assert new_result.token_ids[: new_result.prefix_len] == prompt + completion
+                continue
+            assert result.token_ids[: result.prefix_len] == prompt + completion
             if case.stable:
-                assert new_result.token_ids == case.expected, f"[{family.id}] turn {case.k} differs from the reference"
-                assert not any(new_result.appended.sampled_mask)
-                assert all(-1 <= i < len(case.new) for i in new_result.appended.message_indices)
-                c["exact"] += 1
+                assert result.token_ids == case.expected, f"[{family.id}] turn {case.k} ({key}) differs from the reference"
+                assert not any(result.appended.sampled_mask)
+                assert all(-1 <= i < len(case.new) for i in result.appended.message_indices)
+                c["exact"] += key == "ids"
             else:
-                c["kept"] += 1  # the splice keeps the sampled prefix where the template rewrites it
+                c["kept"] += key == "ids"  # the splice keeps the sampled prefix where the template rewrites it
     return c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES, ids=[f.id for f in FAMILIES])
-def test_no_needless_breaks(family: Family) -> None:
+@pytest.mark.parametrize("family", ALL_FAMILIES, ids=[f.id for f in ALL_FAMILIES])
+def test_no_needless_breaks_from_ids_alone(family: Family) -> None:
+    """Every template the probe flags not append-only, and the variant that moves the system prompt and
+    tools to the last user message: called with ids only (as verifiers' TrainClient and prime-rl call),
+    no turn breaks where the reference's full render extends the previous ids."""
     c = measure(family)
     print(family.id, c)
-    assert c["needless_after"] == 0, c
+    assert c["needless_ids"] == 0 and c["needless_history"] == 0, c
+    assert c["breaks_ids"] == c["breaks_history"], c  # ids alone bridge exactly what the history does
     assert c["exact"] >= 1, c
     if isinstance(family, VariantFamily):
-        assert c["kept"] == 0 and c["needless_before"] > 0 and c["breaks_after"] > 0, c
+        assert c["kept"] == 0 and c["breaks_ids"] > 0, c  # it does move the system block at new user turns
 
 
 def rollout(r: renderers.Renderer, family: Family, messages: list[dict], tools) -> tuple[int, int]:
@@ -151,24 +156,57 @@ def test_rollouts_bridge_from_ids_alone(family: Family) -> None:
     assert rollout(family.renderer(), family, no_system_no_tools, None) == (4, 0)
 
 
-def test_unknown_history_breaks_with_the_probes_finding_and_a_wrong_history_never_bridges() -> None:
+def test_ids_alone_bridge_and_ids_no_conversation_re_renders_to_break() -> None:
+    """A fresh renderer given transformers' ids recovers the conversation behind them (the same roles and
+    texts) and bridges as with the history; ids that spell the same text but are not the template's own
+    tokenization (a client's char-by-char encoding) re-render to other ids: a Break that says so, never
+    a bridge from a guess. A wrong history never bridges either."""
+    from tito_renderers.recover import recover_conversation
+
     family = FAMILIES[0]
     r = family.renderer()
     messages = long_chat(True)
     k = next(i for i, m in enumerate(messages) if m.get("tool_calls"))
     prompt = family.reference_ids(messages[:k], TOOLS, agp=True)
     completion = sampled_completion(r, prompt, family.reference_ids(messages[: k + 1], TOOLS))
+    expected = family.reference_ids(messages[: k + 2], TOOLS, agp=True)
+    recovered = recover_conversation(family.renderer(), prompt, TOOLS)
+    assert [(m["role"], m["content"]) for m in recovered] == [(m["role"], m["content"]) for m in messages[:k]]
     result = r.bridge(prompt, completion, messages[k + 1 : k + 2], TOOLS)
-    assert isinstance(result, Break) and result.reason is BreakReason.TEMPLATE_NOT_APPEND_ONLY
-    assert "unknown" in result.detail and "depends on the earlier conversation" in result.detail
+    assert isinstance(result, Bridged) and result.token_ids == expected
+
+    user_text = messages[k - 1]["content"]
+    n = len(r.tokenizer.encode(user_text))
+    at = next(i for i in range(len(prompt)) if r.tokenizer.decode(prompt[i : i + n]) == user_text)
+    by_char = [t for ch in user_text for t in r.tokenizer.encode(ch)]
+    odd = prompt[:at] + by_char + prompt[at + n :]
+    assert r.tokenizer.decode(odd) == r.tokenizer.decode(prompt) and odd != prompt
+    fresh = family.renderer()
+    assert recover_conversation(fresh, odd, TOOLS) is None
+    brk = fresh.bridge(odd, completion, messages[k + 1 : k + 2], TOOLS)
+    assert isinstance(brk, Break) and brk.reason is BreakReason.TEMPLATE_NOT_APPEND_ONLY
+    assert "no conversation recovered from its ids re-renders to them" in brk.detail
+    assert "depends on the earlier conversation" in brk.detail
+
     wrong = [dict(m, content=m["content"] + " (edited)") if m["role"] == "user" else m for m in messages[:k]]
-    result = r.bridge(prompt, completion, messages[k + 1 : k + 2], TOOLS, history=wrong)
+    result = family.renderer().bridge(prompt, completion, messages[k + 1 : k + 2], TOOLS, history=wrong)
     assert isinstance(result, Break) and result.reason is BreakReason.TEMPLATE_NOT_APPEND_ONLY
     assert "previous prompt" in result.detail and result.position < len(prompt)
     ok = r.bridge(prompt, completion, messages[k + 1 : k + 2], TOOLS, history=messages[:k])
-    assert isinstance(ok, Bridged) and ok.token_ids == family.reference_ids(messages[: k + 2], TOOLS, agp=True)
+    assert isinstance(ok, Bridged) and ok.token_ids == expected
     cut = r.bridge(prompt, completion[:-1], messages[k + 1 : k + 2], TOOLS, history=messages[:k])  # truncated
     assert isinstance(cut, Bridged) and cut.synthesized == 1 and cut.token_ids == ok.token_ids
+
+
+def test_an_empty_previous_prompt_is_refused() -> None:
+    """As the PyPI renderers library does: there is no rendered conversation to extend."""
+    for family in (FAMILIES[0], Family("qwen3", "qwen3-0.6b")):
+        r = family.renderer()
+        user = [{"role": "user", "content": "hi"}]
+        completion = r.render_ids([*user, {"role": "assistant", "content": "yo"}])[-4:]
+        brk = r.bridge([], completion, user)
+        assert isinstance(brk, Break) and brk.reason is BreakReason.EMPTY_PREVIOUS_PROMPT, (family.id, brk)
+        assert "previous prompt is empty" in brk.detail and brk.position == len(completion)
 
 
 def test_conversation_memory_is_exact_and_bounded() -> None:
@@ -179,7 +217,7 @@ def test_conversation_memory_is_exact_and_bounded() -> None:
     def parse(ids):
         return {"role": "assistant", "content": f"sampled {ids}"}
 
-    mem = Conversations(limit=3)
+    mem = Conversations(max_bytes=4000)
     a, b = [1] * 40 + [5] * 32, [2] * 40 + [5] * 32  # the same key
     user_a, user_b, tool = {"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "tool", "content": "t"}
     mem.remember(a, [user_a], None, {})
@@ -192,6 +230,44 @@ def test_conversation_memory_is_exact_and_bounded() -> None:
     assert mem.recall(b, None, {}, parse) == [user_b]
     mem.extend([9, 9], [9, 9, 1], [1], [tool], None, {})  # an unknown prompt: nothing kept
     assert mem.recall([9, 9, 1], None, {}, parse) is None
-    for k in range(3):
-        mem.remember([100 + k], [user_a], None, {})
-    assert mem.recall(b, None, {}, parse) is None  # evicted
+    assert mem.bytes <= mem.max_bytes
+    big = {"role": "user", "content": "x" * 1500}
+    for k in range(2):
+        mem.remember([100 + k], [big], None, {})
+    assert mem.recall(b, None, {}, parse) is None  # evicted: bounded by bytes, not count
+    assert mem.recall([101], None, {}, parse) == [big] and 3000 < mem.bytes <= mem.max_bytes
+    mem.remember([7], [{"role": "user", "content": "y" * 5000}], None, {})  # larger than the whole budget
+    assert mem.recall([7], None, {}, parse) is None and mem.recall([101], None, {}, parse) == [big]
+
+
+def test_the_renderer_service_bridges_with_the_history_it_holds() -> None:
+    """The service passes its own conversation (a view, not a copy) to the bridge, so a template that is
+    not append-only bridges without the renderer remembering or recovering anything."""
+    from rollout.renderer_service import RendererService
+
+    from ._support import tokenizer_dir
+
+    family = FAMILIES[0]
+    svc = RendererService(str(tokenizer_dir(family.tokenizer)), renderer_name="generic")
+    messages = long_chat(True)
+    k = next(i for i, m in enumerate(messages) if m.get("tool_calls"))
+    prompt = svc.begin("r0", messages[:k], TOOLS)
+    assert prompt == family.reference_ids(messages[:k], TOOLS, agp=True)
+    svc.renderer._conversations.__init__()  # forget the first prompt: only the history can help now
+    seen = []
+    bridge = svc.renderer.bridge
+    svc.renderer.bridge = lambda *a, **kw: seen.append((kw["history"], list(kw["history"]))) or bridge(*a, **kw)
+    import tito_renderers.generic_bridge as generic_bridge
+
+    recover, generic_bridge.recover_conversation = generic_bridge.recover_conversation, lambda *a: None
+    try:
+        completion = sampled_completion(svc.renderer, prompt, family.reference_ids(messages[: k + 1], TOOLS))
+        svc.record_turn("r0", (0, completion, None, 0, messages[k]))
+        kind, ids, brk = svc.bridge_next("r0", messages[k + 1 : k + 2], 1)
+    finally:
+        generic_bridge.recover_conversation = recover
+    assert (kind, brk) == ("append", None)
+    assert prompt + completion + ids == family.reference_ids(messages[: k + 2], TOOLS, agp=True)
+    ((view, history),) = seen
+    assert history == messages[:k] and view._messages is svc.rollouts["r0"].messages
+    assert svc.renderer._conversations.bytes == 0  # nothing kept: the service holds the conversation

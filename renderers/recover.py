@@ -1,0 +1,214 @@
+"""The conversation behind a prompt's ids, recovered from the ids alone, for the generic renderer.
+
+A caller that bridges by ids (verifiers' TrainClient, prime-rl, a renderer after a restart) gives the
+previous prompt and completion but not the messages; a template that is not append-only needs them,
+because the bridge renders the whole conversation (renderers/full_bridge.py). This module reads them
+back from the prompt's text, using only what rendering the template itself shows:
+
+1. Roles, in order (``_walk``): from the start of the text, try each role as the next message with a
+   sentinel text and see where the template puts it. The text before the sentinel must be what the
+   prompt holds there, and the message's text runs up to the template's own text after the sentinel,
+   through its turn-closing token. An assistant turn's text is parsed as a completion (reasoning,
+   tool calls, the dialect's scan), the others kept as they stand. The walk renders without tool
+   definitions, then without them (a template may move them next to the last user message, which
+   the walk cannot know is the last), so a message's text may still hold what the template moved
+   into it (a tool list, a system prompt); step 2 takes that apart.
+2. Texts (``_fit``): the walk's conversation rendered once more, with the tools and with every
+   non-assistant text a distinct sentinel, is a pattern of the whole prompt: the template's text
+   literal, each sentinel any text. Matched against the prompt it gives every message's text where the
+   template really put it. A system message is tried as found, dropped (a tool list in a system turn
+   of its own) or added (a system prompt the template moved).
+3. Proof: the recovered conversation is rendered to ids, and used only if they equal the prompt's ids
+   token for token. A wrong recovery is therefore never used: the bridge then breaks, saying so.
+
+The cost is a few template renders per message and one regex match, paid only where the conversation
+behind a prompt is not remembered; the renderer remembers what it recovered.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from .base import TemplateRejected
+from .messages import MessageError
+from .probe import SENT_NEW, closers
+
+if TYPE_CHECKING:
+    from .generic import GenericRenderer
+
+# Sentinels for step 2, one per message: supplementary private-use characters (as the probe's).
+_FIRST_SENTINEL = 0xF8200
+_SENTINELS = re.compile("[\U000f8200-\U000f8fff]")
+_SENTINEL = "\U000f8100"  # the walk's candidate text
+_MAX_RENDERS = 400  # the walk gives up after this many template renders (a prompt no role sequence fits)
+
+
+def recover_conversation(renderer: GenericRenderer, prompt: list[int], tools: list[dict] | None) -> list[dict] | None:
+    """The messages ``prompt`` (a render with the generation prompt) was rendered from with ``tools``, as
+    proven by re-rendering them to exactly ``prompt``; None where none is found."""
+    prompt = list(prompt)  # a tuple or an array compares unlike a list
+    probe = renderer.probe
+    gp = probe.generation_prompt
+    if not prompt or not gp or probe.history_close is None:
+        return None
+    text = renderer.tokenizer.decode(prompt)
+    if _SENTINELS.search(text) or _SENTINEL in text or SENT_NEW in text:
+        return None
+    # (DeepSeek V3 appends no generation prompt after tool outputs)
+    walk = _Walk(renderer, text, len(text) - len(gp) if text.endswith(gp) else len(text), tools)
+    for messages in walk.conversations():
+        for conversation in _fits(renderer, messages, tools, text):
+            try:
+                ids = renderer._render_tokens(conversation, tools, True).token_ids
+            except (TemplateRejected, MessageError):
+                continue
+            if ids == prompt:
+                return conversation
+    return None
+
+
+class _Walk:
+    """Role sequences whose renders, message by message, spell the prompt's text (step 1)."""
+
+    def __init__(self, renderer: GenericRenderer, text: str, end: int, tools: list[dict] | None) -> None:
+        self.r = renderer
+        self.text = text
+        self.end = end  # where the generation prompt starts
+        self.tools = tools  # the walk's (see conversations)
+        self.parse_tools = tools
+        self.closing = closers(renderer.probe, renderer._added_re)
+        self.renders = 0
+
+    def conversations(self):
+        """With the tool definitions first (a template that announces tools in its header, Llama 3.1),
+        then without (one that moves them next to the last user message, where the walk cannot know
+        which user message is the last)."""
+        yield from self._from([], 0)
+        if self.tools is not None:
+            self.tools = None
+            yield from self._from([], 0)
+
+    def _from(self, msgs: list[dict], pos: int):
+        if msgs and not self.text[pos : self.end].strip():
+            yield msgs
+            return
+        for role in _next_roles(msgs):
+            if self.renders >= _MAX_RENDERS:
+                return
+            step = self._step(msgs, role)
+            if step is not None:
+                message, nxt = step
+                yield from self._from([*msgs, message], nxt)
+        # No message renders as the text goes on. Perhaps the walk is at the end, short of template text
+        # it does not consume (Qwen's ``</tool_response>``), or at the last user message with what the
+        # template put before it (a system block or tool list moved there): step 2 finds out.
+        if msgs:
+            yield msgs
+        if not msgs or msgs[-1]["role"] in ("assistant", "tool"):
+            yield [*msgs, {"role": "user", "content": ""}]
+
+    def _step(self, msgs: list[dict], role: str) -> tuple[dict, int] | None:
+        """The next message if it has ``role``, and where the walk goes on in the text.
+
+        The message's text ends where the template's text after it does: its literal text up to the
+        first added token, and that token (Qwen's ``\n</tool_response>``, Llama's ``<|eot_id|>``,
+        DeepSeek's ``<｜Assistant｜>``). The walk goes on after that token when it closes a turn, else
+        before it (the next message's header)."""
+        candidate: dict[str, Any] = {"role": role, "content": _SENTINEL}
+        if role == "tool":
+            candidate.update(_answered_call(msgs))
+        follower = {"role": "user" if role in ("assistant", "system") else "assistant", "content": SENT_NEW}
+        self.renders += 1
+        rendered = self.r._try_text([*msgs, candidate, follower], self.tools, False)
+        if rendered is None or rendered.count(_SENTINEL) != 1:
+            return None
+        at = rendered.index(_SENTINEL)
+        if not self.text.startswith(rendered[:at]):
+            return None
+        marker = self.r._added_re.search(rendered, at) if self.r._added_re is not None else None
+        if marker is None or SENT_NEW in rendered[at : marker.start()]:
+            return None
+        delimiter = rendered[at + 1 : marker.end()]
+        stop = self.text.find(delimiter, at, self.end + len(delimiter))
+        if stop < 0:
+            return None
+        closes = self.closing.fullmatch(marker.group()) is not None
+        nxt = stop + len(delimiter) if closes else stop + len(delimiter) - len(marker.group())
+        body = self.text[at:stop]
+        if role != "assistant":
+            return {**candidate, "content": body}, nxt
+        ids = self.r.tokenizer.encode(body + (marker.group() if closes else ""))
+        return self.r.parse_response(ids, tools=self.parse_tools).to_message(self.r.history_arguments), nxt
+
+
+def _next_roles(msgs: list[dict]) -> tuple[str, ...]:
+    if not msgs:
+        return ("user", "system")
+    last = msgs[-1]
+    if last["role"] == "assistant":
+        return ("tool", "user") if last.get("tool_calls") else ("user", "tool")
+    if last["role"] == "tool":
+        return ("tool", "assistant", "user")
+    return ("assistant", "user")
+
+
+def _answered_call(msgs: list[dict]) -> dict:
+    """The id and name of the call a tool message after ``msgs`` answers (templates render them)."""
+    answered = 0
+    for m in reversed(msgs):
+        if m["role"] == "tool":
+            answered += 1
+            continue
+        calls = (m.get("tool_calls") or []) if m["role"] == "assistant" else []
+        if answered < len(calls):
+            call = calls[answered]
+            return {"tool_call_id": call.get("id") or f"call_{answered}", "name": call["function"]["name"]}
+        break
+    return {}
+
+
+def _fits(renderer: GenericRenderer, messages: list[dict], tools: list[dict] | None, text: str):
+    """Conversations whose render matches ``text`` as a pattern (step 2): ``messages``, then without
+    its first system message, then with one the template may have moved."""
+    variants = [messages]
+    if messages and messages[0]["role"] == "system":
+        variants.append(messages[1:])
+    else:
+        variants.append([{"role": "system", "content": ""}, *messages])
+    for variant in variants:
+        fitted = _fit(renderer, variant, tools, text)
+        if fitted is not None:
+            yield fitted
+
+
+def _fit(renderer: GenericRenderer, messages: list[dict], tools: list[dict] | None, text: str) -> list[dict] | None:
+    skeleton = [
+        m if m["role"] == "assistant" else {**m, "content": chr(_FIRST_SENTINEL + i)} for i, m in enumerate(messages)
+    ]
+    rendered = renderer._try_text(skeleton, tools, True)
+    if rendered is None:
+        return None
+    pattern, groups, seen = [], {}, set()
+    pos = 0
+    for m in _SENTINELS.finditer(rendered):
+        pattern.append(re.escape(rendered[pos : m.start()]))
+        i = ord(m.group()) - _FIRST_SENTINEL
+        name = f"m{i}"
+        pattern.append(f"(?P={name})" if i in seen else f"(?P<{name}>.*?)")
+        seen.add(i)
+        groups[i] = name
+        pos = m.end()
+    pattern.append(re.escape(rendered[pos:]))
+    match = re.fullmatch("".join(pattern), text, re.DOTALL)
+    if match is None:
+        return None
+    out = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            out.append(m)
+        elif i in groups:
+            out.append({**m, "content": match.group(groups[i])})
+        else:
+            return None  # the template does not render this message's text: it cannot be recovered
+    return out
