@@ -91,6 +91,7 @@ class GenericRenderer(GenericBridge, Renderer):
         self._end_of_text = tuple(i for t, i in markers.items() if _END_OF_TEXT.fullmatch(t))
         self._probes: dict[tuple, Probe] = {}
         self._conversations = Conversations()  # prompt ids -> their messages, for the full-render bridge
+        self._recipes: dict = {}  # bridge shape -> its splice recipe (renderers/generic_bridge.py)
         base = self._probe({})
         # per template, not per class: what the probe found
         self.template_kwargs_allowed = dict(base.kwargs)

@@ -9,8 +9,10 @@ that render extends the previous ids exactly (renderers/full_bridge.py).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from .annotate import glued
 from .base import TemplateRejected, bridged, empty_prompt_break
 from .full_bridge import assistant_message, full_bridge
 from .long_pieces import encode_pieces
@@ -18,6 +20,12 @@ from .messages import MessageError, normalize_messages
 from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, closers, splice_point
 from .recover import recover_conversation
 from .types import Break, BreakReason, Bridged
+
+# Recipes of the splice (``_splice_by_recipe``): at most this many shapes per renderer; a text's index
+# in a recipe's tail is stored as _RECIPE_SENTINEL + i (special token ids are far below it).
+_RECIPES = 1024
+_RECIPE_SENTINEL = 1 << 40
+_UNSAFE = re.compile("[\U000f0000-\U0010ffff]")  # supplementary private use: the sentinels' planes
 
 # Breaks of the splice that say this conversation's render is not append-only: the full render decides.
 _RENDER_IN_FULL = (BreakReason.TEMPLATE_NOT_APPEND_ONLY, BreakReason.SYSTEM_MESSAGE_MOVES, BreakReason.NO_SPECIAL_TOKEN_ANCHOR)
@@ -149,8 +157,93 @@ class GenericBridge:
     def _splice(self, prompt, completion, msgs, tools, needs_close: bool, prefix_len) -> Bridged | Break:
         if not self.probe.tools_in_tail:
             tools = None  # the probe found they only change text before the splice: do not render them
+        histories = self._histories(completion)
+        fast = self._splice_by_recipe(histories, msgs, tools, needs_close)
+        if fast is not None:
+            tail, closing = fast
+        else:
+            spliced = self._splice_tail(histories, msgs, tools, needs_close, prefix_len)
+            if isinstance(spliced, Break):
+                return spliced
+            tail, closing = spliced[:2]
+        return bridged(prompt, completion, closing, encode_pieces(self.tokenizer, tail))  # the tail is all unsampled
+
+    def _splice_by_recipe(self, histories, msgs, tools, needs_close) -> tuple[list, list[int]] | None:
+        """The splice's tail pieces from the recipe for this shape of bridge, or None (no recipe: the
+        full splice runs). A recipe is the splice of the same messages with a sentinel for each text
+        (built once per shape); it applies where every text is plain (no edge whitespace, no added-token
+        string, no private-use character) and the template's real render is the recipe's text with the
+        texts put in: then the tail's pieces are the recipe's with the texts put in, exactly what the
+        full splice would assemble, at one render instead of two plus the annotation."""
+        if self.thinking_retention == "template":
+            return None
+        texts = [m.get("content") for m in msgs]
+        if not all(t.__class__ is str and t.strip() and not _UNSAFE.search(t) for t in texts):
+            return None
+        if self._added_re is not None and any(self._added_re.search(t) for t in texts):
+            return None
+        key = (repr(histories), needs_close, repr([{k: v for k, v in m.items() if k != "content"} for m in msgs]),
+               None if tools is None else repr(tools), repr(sorted(self.template_kwargs.items())))
+        recipes = self._recipes
+        recipe = recipes.get(key)
+        if recipe is None:
+            if len(recipes) >= _RECIPES:
+                recipes.clear()
+            recipe = recipes[key] = self._recipe(histories, msgs, tools, needs_close)
+        if recipe is False:
+            return None
+        history, parts, tail, closing = recipe
+        full = self._try_text([*history, *msgs], tools, True)
+        expected, pos = [], 0
+        for part in parts:
+            text = part if part.__class__ is str else texts[part]
+            if part.__class__ is not str:
+                # the annotation's rule: a text whose core touches a letter or digit of the template is
+                # not marked as content (BPE merges it with the template's text)
+                lead = len(text) - len(text.lstrip())
+                if glued(full or "", pos + lead, pos + lead + len(text.strip())):
+                    return None
+            expected.append(text)
+            pos += len(text)
+        if full is None or full != "".join(expected):
+            return None  # the template renders these texts unlike the sentinels: the full splice decides
+        # kept verbatim, edge whitespace included: the content span is the whole text, as the annotation finds
+        return [(texts[v - _RECIPE_SENTINEL], k, True, sampled) if v.__class__ is int and v >= _RECIPE_SENTINEL
+                else (v, k, is_content, sampled) for v, k, is_content, sampled in tail], closing
+
+    def _recipe(self, histories, msgs, tools, needs_close):
+        """(history, the full text as literal parts and text indices, tail pieces with text indices as
+        ``_RECIPE_SENTINEL + i``, closing), or False where the shape has none (a sentinel not rendered
+        exactly once, as one content piece of its own)."""
+        sentinels = [chr(0xF8300 + i) for i in range(len(msgs))]
+        marked = [{**m, "content": sentinels[i]} for i, m in enumerate(msgs)]
+        spliced = self._splice_tail(histories, marked, tools, needs_close, 0)
+        if isinstance(spliced, Break):
+            return False
+        tail, closing, history, full = spliced
+        if any(full.count(c) != 1 for c in sentinels):
+            return False
+        parts: list[str | int] = []
+        pos = 0
+        for at, i in sorted((full.index(c), i) for i, c in enumerate(sentinels)):
+            parts += [full[pos:at], i] if at > pos else [i]
+            pos = at + 1
+        parts.append(full[pos:])
+        by_text = {c: i for i, c in enumerate(sentinels)}
+        recipe_tail = []
+        for text, k, is_content, sampled in tail:
+            if text.__class__ is str and any(c in text for c in sentinels):
+                if text not in by_text or not is_content:
+                    return False
+                text = _RECIPE_SENTINEL + by_text[text]
+            recipe_tail.append((text, k, is_content, sampled))
+        return history, parts, recipe_tail, closing
+
+    def _splice_tail(self, histories, msgs, tools, needs_close: bool, prefix_len):
+        """(the tail's pieces after the splice point, the synthesized close, the sentinel history, the full
+        text), or the Break that says why there is no splice."""
         error = None
-        for history in self._histories(completion):
+        for history in histories:
             conversation = history + msgs
             try:
                 full = self._text(conversation, tools, True)
@@ -186,8 +279,7 @@ class GenericBridge:
         starts = self._boundaries(conversation, tools, True, full, specials, content, bridging=True)
         pieces = self._assemble(conversation, full, specials, content, starts, start_at=cut)
         tail = [(text, k - h if k >= h else -1, is_content, False) for text, k, is_content, _ in pieces]
-        rendered = encode_pieces(self.tokenizer, tail)
-        return bridged(prompt, completion, closing, rendered)  # the tail's pieces are all unsampled
+        return tail, closing, history, full
 
     def _token_ending_at(self, text: str, end: int, specials: list[tuple[int, int, int]]) -> int:
         for _s, e, tid in specials:

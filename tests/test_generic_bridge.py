@@ -186,3 +186,38 @@ def test_bridge_never_raises_on_garbage_completions(fixture: str) -> None:
             assert result.reason in set(BreakReason)
         kinds.add(type(result).__name__)
     assert "Bridged" in kinds
+
+
+@pytest.mark.parametrize("fixture", ["qwen3-0.6b", "llama-3.1-8b-instruct", "gpt-oss-20b", "gemma-3-it"])
+def test_splice_recipes_give_the_full_splices_tokens_and_attribution(fixture: str, monkeypatch) -> None:
+    """The splice's per-shape recipe (one render instead of two plus the annotation) gives exactly what the
+    full splice gives: ids, message indices, content flags, for texts with and without edge whitespace, a
+    text glued to template letters, and texts the recipe must refuse (markers, private-use characters)."""
+    family = Family(fixture, fixture, renderer_name="generic")
+    fast = family.renderer()
+    texts = ["7", "  35 and\\n 1024\n\n", "x ", "\nlines\nof output", "a <|im_end|> b", "\U000f8300 private", "é中文🙂"]
+    cases = 0
+    for messages, tools in renderable(family, [(tool_chat(False), TOOLS), (plain_chat(True), None)]):
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant" or k + 1 >= len(messages) or messages[k + 1]["role"] == "assistant":
+                continue
+            prompt = family.reference_ids(messages[:k], tools, agp=True)
+            completion = sampled_completion(fast, prompt, family.reference_ids(messages[: k + 1], tools))
+            if completion is None:
+                continue
+            for text in texts:
+                new = [dict(messages[k + 1], content=text)]
+                got = fast.bridge(prompt, completion, new, tools)
+                with monkeypatch.context() as mp:
+                    mp.setattr(type(fast), "_splice_by_recipe", lambda *a: None)
+                    want = family.renderer().bridge(prompt, completion, new, tools)
+                assert type(got) is type(want), (text, got, want)
+                if isinstance(want, Break):
+                    assert got.reason is want.reason
+                    continue
+                cases += 1
+                assert got.token_ids == want.token_ids and got.synthesized == want.synthesized, text
+                for f in ("message_indices", "is_content", "sampled_mask"):
+                    assert getattr(got.appended, f) == getattr(want.appended, f), (text, f)
+    assert cases >= len(texts)
+    assert any(recipe is not False for recipe in fast._recipes.values())  # the recipes were used
