@@ -112,8 +112,9 @@ def test_the_python_installation_works_inside() -> None:
 def test_refuses_without_isolation(monkeypatch: pytest.MonkeyPatch) -> None:
     # simulate a host where namespaces cannot be created (no user namespaces, a container policy)
     monkeypatch.setattr(sandbox, "_BOOTSTRAP", sandbox._BOOTSTRAP.replace("libc.unshare(", "(lambda flags: -1)("))
-    with pytest.raises(SandboxUnavailable, match=r"cannot isolate the code \(unshare\(CLONE_NEWUSER"):
+    with pytest.raises(SandboxUnavailable, match=r"cannot isolate the code \(unshare\(CLONE_NEWUSER") as refused:
         run("open('ran', 'w')")
+    assert "needs user namespaces" in str(refused.value)  # here the host's policy is the cause: say so
     with pytest.raises(SandboxUnavailable):
         asyncio.run(make_env("python").check())
     result = run("print('ran')", network="best_effort")
@@ -126,9 +127,39 @@ def test_a_failed_setup_step_is_named_and_nothing_runs(monkeypatch: pytest.Monke
     assert bad != sandbox._BOOTSTRAP
     monkeypatch.setattr(sandbox, "_BOOTSTRAP", bad)
     marker = Path(tempfile.gettempdir()) / f"tito-test-ran-{uuid.uuid4().hex}"
-    with pytest.raises(SandboxUnavailable, match=r"mount nosuchfs on .*/tmp: No such device"):
+    with pytest.raises(SandboxUnavailable, match=r"mount nosuchfs on .*/tmp: No such device") as refused:
         run(f"open({str(marker)!r}, 'w')")
     assert not marker.exists()
+    # the namespaces were made: the message must not send the user off to enable user namespaces
+    assert "user namespaces" not in str(refused.value) and "the host allows them" in str(refused.value)
+
+
+def test_works_with_the_python_installation_under_tmp(tmp_path: Path) -> None:
+    # A clone in /tmp has its venv there: the private /tmp mount must neither collide with the venv's mount
+    # point nor hide it (issue 23: "setup: FileExistsError(17, 'File exists')"). A real venv of this
+    # interpreter under /tmp, seeing this venv's packages through a .pth file, runs the service side.
+    venv = Path(tempfile.mkdtemp(prefix="tito-test-venv-", dir="/tmp"))
+    venv.chmod(0o755)  # (mkdtemp makes it 0700: closed to the code's unprivileged uid, unlike a clone's venv)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+        python = venv / "bin" / "python"
+        site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+        ours = [p for p in sys.path if p.endswith("site-packages")]
+        Path(site, "tito-test.pth").write_text("\n".join([*ours, str(Path(__file__).resolve().parents[1])]))
+        code = "import subprocess, sys\nprint(sys.prefix)\nsubprocess.run([sys.executable, '-c', 'print(2 + 2)'])\n"
+        probe = (
+            "import asyncio, json\n"
+            "from rollout.envs.sandbox import run_python\n"
+            f"result = asyncio.run(run_python({code!r}, timeout_s=20.0))\n"
+            "print(json.dumps([result.stdout, result.stderr, result.network_isolated]))\n"
+        )
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stdout, stderr, isolated = json.loads(done.stdout)
+    assert (stdout, stderr, isolated) == (f"{venv}\n4\n", "", True)
 
 
 def test_has_no_network() -> None:

@@ -152,6 +152,27 @@ async def _exited(process: asyncio.subprocess.Process, timeout_s: float) -> bool
         waiter.cancel()
 
 
+# The steps where a host policy, not the sandbox, is the usual cause: creating the namespaces, mapping the ids,
+# and any step the kernel refused with EPERM/EACCES (AppArmor and seccomp policies let unshare succeed and
+# refuse the mounts).
+_POLICY_STEPS = ("unshare(", "write uid/gid maps", "uid/gid maps were not written")
+_POLICY_ERRORS = ("Operation not permitted", "Permission denied")
+
+
+def _refusal_hint(reason: str) -> str:
+    """What to do about a failed setup step: blame the host's namespace policy only when that can be the cause."""
+    if reason.startswith(_POLICY_STEPS) or any(error in reason for error in _POLICY_ERRORS):
+        return (
+            "The sandbox needs user namespaces (run as root, or allow unprivileged ones: sysctl "
+            "user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1 where that exists, no "
+            "AppArmor/container policy denying them)."
+        )
+    return (
+        "The namespaces were created, so the host allows them: building the sandbox's file system failed at "
+        "the step named."
+    )
+
+
 def _init_pid(header: bytes) -> int | None:
     """The host pid of the sandbox's pid 1, from the header line (complete or not yet there)."""
     line, newline, _ = header.partition(b"\n")
@@ -270,11 +291,10 @@ async def run_python(
     header, _, out = out.partition(b"\n") if out.startswith(_HEADER) else (b"", b"", out)
     status = header[len(_HEADER) :].decode("utf-8", errors="replace")
     if status.startswith("refused"):
+        reason = status.removeprefix("refused ")
         raise SandboxUnavailable(
-            f"sandbox: cannot isolate the code ({status.removeprefix('refused ')}). The sandbox needs user "
-            "namespaces (run as root, or allow unprivileged ones: sysctl user.max_user_namespaces > 0, "
-            "kernel.unprivileged_userns_clone=1 where that exists, no AppArmor/container policy denying them); "
-            "or set network='best_effort' or 'allowed' to run without isolation. The code was not run."
+            f"sandbox: cannot isolate the code ({reason}). {_refusal_hint(reason)} Or set network='best_effort' "
+            "or 'allowed' to run without isolation. The code was not run."
         )
     # the header's room was read on top of the cap: re-apply the cap to what the code printed
     out_dropped += max(0, len(out) - max_output_bytes)

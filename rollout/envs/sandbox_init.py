@@ -60,6 +60,12 @@ def _check(step: str, result: int) -> None:
         raise _Failed(f"{step}: {os.strerror(ctypes.get_errno())}")
 
 
+def _describe(error: BaseException) -> str:
+    """One line for the report pipe: a named step as it is, anything else with its type (never a newline)."""
+    text = str(error) if isinstance(error, _Failed) else f"setup: {error!r}"
+    return text.replace("\n", " ")
+
+
 def _say(fd: int, message: str) -> None:
     os.write(fd, (message + "\n").encode())
 
@@ -134,48 +140,73 @@ def _python_dirs() -> list[str]:
     return kept
 
 
+class _Step:
+    """Names a setup step: an OSError inside becomes a :class:`_Failed` naming the step, the error and the path."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind, error, tb) -> None:
+        if isinstance(error, OSError):
+            path = f" ({error.filename})" if error.filename else ""
+            raise _Failed(f"{self.name}: {error.strerror or error}{path}") from None
+
+
 def _build_root(libc, new_root: str, workdir: str, disk: int) -> None:
     """The file system the code sees, built at ``new_root`` (then pivoted into)."""
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done below propagates to the host
     _mount(libc, "tmpfs", new_root, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=4m,mode=755")
-    for name in sorted(os.listdir("/")):  # /bin, /lib, ... : the merged-/usr symlinks, or the directories
-        if name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr"):
-            path = "/" + name
-            if os.path.islink(path):
-                os.symlink(os.readlink(path), new_root + path)
-            elif os.path.isdir(path):
-                _bind_read_only(libc, path, new_root + path)
-    for d in _python_dirs():
-        _bind_read_only(libc, d, new_root + d)
-    os.mkdir(new_root + "/proc")
+    with _Step("bind /usr and the merged-/usr links"):
+        for name in sorted(os.listdir("/")):  # /bin, /lib, ... : the merged-/usr symlinks, or the directories
+            if name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr"):
+                path = "/" + name
+                if os.path.islink(path):
+                    os.symlink(os.readlink(path), new_root + path)
+                elif os.path.isdir(path):
+                    _bind_read_only(libc, path, new_root + path)
+    with _Step("make /proc"):
+        os.mkdir(new_root + "/proc")
     _mount(libc, "proc", new_root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)  # this pid ns only
     dev = new_root + "/dev"
-    os.mkdir(dev)
+    with _Step("make /dev"):
+        os.mkdir(dev)
     _mount(libc, "tmpfs", dev, "tmpfs", _MS_NOSUID | _MS_NOEXEC, "size=64k,mode=755")
-    for name in _DEVICES:
-        open(f"{dev}/{name}", "w").close()
-        _mount(libc, f"/dev/{name}", f"{dev}/{name}", None, _MS_BIND)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):  # fmt: skip
-        os.symlink(target, f"{dev}/{name}")
-    os.mkdir(dev + "/shm")
+    with _Step("make /dev"):
+        for name in _DEVICES:
+            open(f"{dev}/{name}", "w").close()
+            _mount(libc, f"/dev/{name}", f"{dev}/{name}", None, _MS_BIND)
+        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                             ("stderr", "/proc/self/fd/2")):  # fmt: skip
+            os.symlink(target, f"{dev}/{name}")
+        os.mkdir(dev + "/shm")
     _mount(libc, "tmpfs", dev + "/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={disk},mode=1777")
-    os.mkdir(new_root + "/tmp")
+    with _Step("make /tmp"):
+        os.mkdir(new_root + "/tmp")
     _mount(libc, "tmpfs", new_root + "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={disk},mode=1777")
-    if not (workdir + "/").startswith("/tmp/"):  # an unusual TMPDIR: the work directory gets its own tmpfs
-        os.makedirs(new_root + workdir)
-        _mount(libc, "tmpfs", new_root + workdir, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={disk},mode=700")
-    os.makedirs(new_root + workdir, mode=0o700, exist_ok=True)
-    os.chown(new_root + workdir, SANDBOX_UID, SANDBOX_UID)
+    with _Step(f"make the work directory {workdir}"):
+        if not (workdir + "/").startswith("/tmp/"):  # an unusual TMPDIR: the work directory gets its own tmpfs
+            os.makedirs(new_root + workdir)
+            _mount(libc, "tmpfs", new_root + workdir, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={disk},mode=700")
+        os.makedirs(new_root + workdir, mode=0o700, exist_ok=True)
+        os.chown(new_root + workdir, SANDBOX_UID, SANDBOX_UID)
+    # After /tmp and the work directory: a venv under /tmp (a clone there) is bound inside the private /tmp
+    # rather than under a directory that the /tmp mount would then hide (or that its mkdir would collide with).
+    for d in _python_dirs():
+        with _Step(f"bind the Python installation {d}"):
+            _bind_read_only(libc, d, new_root + d)
     # a private /etc: the sandbox's own user (so getpass / pwd work), never the host's accounts
-    os.mkdir(new_root + "/etc")
-    for name, text in (
-        ("passwd", f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:tito sandbox:{workdir}:/usr/sbin/nologin\n"),
-        ("group", f"sandbox:x:{SANDBOX_UID}:\n"),
-        ("hosts", "127.0.0.1 localhost\n::1 localhost\n"),
-    ):
-        with open(f"{new_root}/etc/{name}", "w") as f:
-            f.write(text)
+    with _Step("make /etc"):
+        os.makedirs(new_root + "/etc", exist_ok=True)  # (exists if the Python installation lives under /etc)
+        for name, text in (
+            ("passwd", f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:tito sandbox:{workdir}:/usr/sbin/nologin\n"),
+            ("group", f"sandbox:x:{SANDBOX_UID}:\n"),
+            ("hosts", "127.0.0.1 localhost\n::1 localhost\n"),
+        ):
+            with open(f"{new_root}/etc/{name}", "w") as f:
+                f.write(text)
 
 
 def _enter(ctypes, libc, new_root: str) -> None:
@@ -222,7 +253,7 @@ def _init(
         _drop_privileges(ctypes, libc, root_service)
         os.chdir(workdir)
     except BaseException as error:  # every failure is reported; none runs the code
-        _say(report, f"error {error}" if isinstance(error, _Failed) else f"error setup: {error!r}")
+        _say(report, f"error {_describe(error)}")
         os._exit(1)
     import signal
 
@@ -270,7 +301,7 @@ def _leave_host(report: int, go: int, code: str, limits: tuple[int, int, int, in
         os.close(go)
         init = os.fork()  # the first child in the new pid namespace is its pid 1
     except BaseException as error:
-        _say(report, f"error {error}" if isinstance(error, _Failed) else f"error setup: {error!r}")
+        _say(report, f"error {_describe(error)}")
         os._exit(1)
     if init == 0:
         _init(report, code, limits, workdir, disk, root_service)
