@@ -111,6 +111,17 @@ def cmd_pull(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .export import describe, export
+
+    try:
+        result = export(args.dir, args.to, args.out, env_name=args.env_name, temperature=args.temperature)
+    except FileNotFoundError as exc:  # a path with no shards: a usage error like the others
+        raise ValueError(str(exc)) from None
+    print(describe(result))
+    return 0
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -152,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--convert", action="store_true",
                       help="also convert the GGUF into a safetensors directory with its tokenizer (what vLLM loads)")
     pull.set_defaults(func=cmd_pull)
+
+    export = sub.add_parser("export", help="rewrite shards in a trainer's field names and layout (Parquet)")
+    export.add_argument("dir", help="an output directory (or shard file, or glob)")
+    export.add_argument("--to", required=True, choices=["trl", "verl", "skyrl", "prime"], help="the trainer")
+    export.add_argument("--out", help="the export directory (default: DIR-<target> beside DIR)")
+    export.add_argument("--env-name", help="prime-rl env_name (default: the run's env.name from the manifest)")
+    export.add_argument("--temperature", type=float,
+                        help="prime-rl temperature for shards that record none (default: the run's sampling.temperature)")
+    export.set_defaults(func=cmd_export)
 
     from .cli_doctor import register as register_doctor
     from .cli_run import register
