@@ -2,9 +2,10 @@
 
 An output directory holds the shards in ``data/`` (``data/train-<stream>-<seq>.arrow``) and, beside
 it, ``_manifest.json``, ``_summary.json`` and ``_breaks.jsonl``. The leading underscore (the
-Hadoop/Spark ``_SUCCESS`` convention) makes ``pyarrow.dataset``, Spark and DuckDB globs skip them, and
-the ``train-`` file prefix makes ``datasets.load_dataset(out_dir)`` pick the shards as its train
-split, so every reader works on the directory itself. Files are written under a temporary name and
+Hadoop/Spark ``_SUCCESS`` convention) makes ``pyarrow.dataset``, pandas and Spark skip them, and the
+``train-`` file prefix makes ``datasets.load_dataset(out_dir)`` pick the shards as its train split, so
+readers work on the directory itself (polars, which reads every file under a directory, through a glob
+rooted at it: docs/shards.md). Files are written under a temporary name and
 renamed when complete, so a reader never sees a partial file. The schema, with a description of
 every column, is stored in each file's metadata and documented in docs/shards.md.
 """

@@ -1,7 +1,8 @@
 """An output directory, exactly as ``tito run`` lays it out (shards through RendererService's ShardWriter
 into data/, manifest and summary rebuilt by rollout.outputs, a break log beside them), opens with every
-reader pointed at the directory itself: pyarrow.dataset, polars, HF datasets, DuckDB (Parquet),
-rollout.data and tito inspect. The old schema-1 flat layout still opens with tito's own readers."""
+reader docs/shards.md names, each pointed at the directory itself: pyarrow.dataset, polars, HF datasets,
+DuckDB, pandas, Ray Data, rollout.data and tito inspect. A run still writing (a hidden temporary in data/)
+disturbs none of them. The old schema-1 flat layout still opens with tito's own readers."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from rollout.config import RunConfig
-from rollout.data import open_shards
+from rollout.data import open_shards, shard_files
 from rollout.inspect_shards import summarize
 from rollout.outputs import write_outputs
 from rollout.shards import BREAKS, DATA_DIR, MANIFEST, STREAM, SUMMARY, ShardWriter
@@ -43,6 +44,8 @@ def make_output(out, fmt: str) -> list[dict]:
 def output(tmp_path, request):
     out = tmp_path / "demo"
     rows = make_output(out, request.param)
+    # a shard still being written: ShardWriter's hidden temporary, not yet a complete file
+    (out / DATA_DIR / f".{STREAM}-r0-00009.{request.param}.tmp").write_bytes(b"partial")
     return out, request.param, rows
 
 
@@ -53,14 +56,22 @@ def test_pyarrow_dataset_on_the_directory(output):
     assert table.schema.field("token_ids").type == pa.list_(pa.int32())
 
 
-def test_polars_scan(output):
+def test_polars_on_the_directory(output):
+    """polars reads every non-empty file under a directory it is given, hidden ones too, and refuses mixed
+    extensions; the documented calls name the shards under the directory: a glob, hidden_file_prefix
+    (scan_parquet only), or tito's list of shard files."""
     import polars as pl
 
     out, fmt, rows = output
-    scan = pl.scan_ipc(out / DATA_DIR / "*.arrow") if fmt == "arrow" else pl.scan_parquet(out / DATA_DIR / "*.parquet")
-    df = scan.select("rollout_id", "temperature").collect()
-    assert sorted(df["rollout_id"].to_list()) == sorted(r["rollout_id"] for r in rows)
-    assert set(df["temperature"].to_list()) == {0.8}
+    if fmt == "arrow":
+        scans = [pl.scan_ipc(f"{out}/**/*.arrow"), pl.scan_ipc(shard_files(out))]
+    else:
+        scans = [pl.scan_parquet(f"{out}/**/*.parquet"), pl.scan_parquet(out, hidden_file_prefix=["_", "."]),
+                 pl.scan_parquet(shard_files(out))]
+    for scan in scans:
+        df = scan.select("rollout_id", "temperature").collect()
+        assert sorted(df["rollout_id"].to_list()) == sorted(r["rollout_id"] for r in rows)
+        assert set(df["temperature"].to_list()) == {0.8}
 
 
 def test_hf_load_dataset_on_the_directory(output, tmp_path):
@@ -71,17 +82,51 @@ def test_hf_load_dataset_on_the_directory(output, tmp_path):
     assert d.features["loss_mask"].feature.dtype == "bool"
 
 
-def test_duckdb_sql_on_parquet_shards(tmp_path):
+def test_duckdb_sql_on_the_directory(tmp_path):
     duckdb = pytest.importorskip("duckdb")
     out = tmp_path / "demo"
     rows = make_output(out, "parquet")
-    got = duckdb.sql(f"SELECT task_id, count(*) AS n, sum(completion_tokens) AS c FROM '{out}/data/*.parquet' "
-                     "GROUP BY task_id ORDER BY task_id").fetchall()
+    (out / DATA_DIR / f".{STREAM}-r0-00009.parquet.tmp").write_bytes(b"partial")
     want = {}
     for r in rows:
         n, c = want.get(r["task_id"], (0, 0))
         want[r["task_id"]] = (n + 1, c + r["completion_tokens"])
-    assert got == [(t, *want[t]) for t in sorted(want)]
+    for source in (f"read_parquet('{out}')", f"'{out}/**/*.parquet'"):
+        got = duckdb.sql(f"SELECT task_id, count(*) AS n, sum(completion_tokens) AS c FROM {source} "
+                         "GROUP BY task_id ORDER BY task_id").fetchall()
+        assert got == [(t, *want[t]) for t in sorted(want)], source
+
+
+def test_pandas_on_the_directory(output):
+    import pandas as pd
+
+    out, fmt, rows = output
+    if fmt == "parquet":
+        df = pd.read_parquet(out)
+    else:  # pandas has no directory reader for Arrow IPC files: through pyarrow, as documented
+        df = ds.dataset(out, format="ipc").to_table().to_pandas()
+    assert sorted(df["rollout_id"]) == sorted(r["rollout_id"] for r in rows)
+    assert list(df["token_ids"].iloc[0]) == next(r["token_ids"] for r in rows if r["rollout_id"] == df["rollout_id"].iloc[0])
+
+
+def test_ray_data_on_the_directory(tmp_path):
+    """Ray Data's read_parquet takes the directory (it keeps *.parquet files only). Ray has no Arrow IPC file
+    reader: docs/shards.md sends IPC shards through pyarrow (``ray.data.from_arrow``)."""
+    ray_data = pytest.importorskip("ray.data")
+    import ray
+
+    out = tmp_path / "demo"
+    rows = make_output(out, "parquet")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=100 * 2**20,
+                 log_to_driver=False)
+    try:
+        got = ray_data.read_parquet(str(out)).select_columns(["rollout_id"]).take_all()
+        assert sorted(r["rollout_id"] for r in got) == sorted(r["rollout_id"] for r in rows)
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def test_tito_readers_and_manifest_match_the_files(output):
