@@ -9,6 +9,7 @@ except under ``CI=true``, where a missing fixture is a failure.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -165,3 +166,33 @@ def http_call(url: str, method: str = "GET", body: Any = None, headers: dict | N
         return status, json.loads(payload)
     except json.JSONDecodeError:
         return status, payload.decode()
+
+
+def site_dirs() -> list[Path]:
+    """This interpreter's site-packages directories (its venv's, and any that one inherits)."""
+    return [Path(p) for p in sys.path if Path(p).name == "site-packages"]
+
+
+def client_venv(name: str, requirements: list[str], inherit: Sequence[Path] | None = None) -> Path:
+    """A cached venv (``cached_venv``) for a third-party client that sees ``inherit`` (default: this
+    interpreter's site-packages) after its own: pip adds only what the client needs beyond them (its own
+    openai, say), never a second torch. The key hashes the requirements and the inherited directories, so a
+    change to either builds a new one."""
+    sites = list(inherit) if inherit is not None else site_dirs()
+    digest = hashlib.sha256(repr((sorted(requirements), [str(p) for p in sites])).encode()).hexdigest()[:12]
+    return cached_venv(f"client-{name}-{digest}", requirements, inherit=sites)
+
+
+def run_in_venv(root: Path, script: str, *args: str, cwd: Path, timeout: float = 300) -> Any:
+    """Run ``script`` with a cached venv's interpreter in isolated mode (-I: neither the working directory nor
+    PYTHON* variables reach sys.path, so this checkout's ``renderers/`` cannot shadow the PyPI one) and return
+    the JSON its last stdout line holds; a non-zero exit fails the test with the script's stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env["HF_HUB_OFFLINE"] = "1"
+    env["PATH"] = f"{root / 'bin'}{os.pathsep}{env.get('PATH', '')}"  # the venv's console scripts (uv, say)
+    path = cwd / "client_script.py"
+    path.write_text(script)
+    done = subprocess.run([str(root / "bin" / "python"), "-I", str(path), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

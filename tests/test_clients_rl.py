@@ -1,0 +1,224 @@
+"""The RL stacks' own clients, unchanged, against `tito serve` (the embedded engine, SmolLM2-135M on CPU, real
+Ray, loopback HTTP). Each third-party client runs in a cached venv of its own (tests/_support.client_venv) as a
+separate process, so its pinned dependencies (openai 2.x, PyPI ``renderers``) never meet ours:
+
+- verifiers 0.4.0: an ``Agent`` on its ``null`` chat harness, three user turns through ``Agent.interaction``,
+  once with its ``TrainClient`` (renders with PyPI renderers, samples on /inference/v1/generate) and once with its
+  ``EvalClient`` (chat completions, ``X-Session-ID`` = the trace id). Greedy, so the train trace's tokens must be
+  exactly the tokens of tito's own chat session for the eval run.
+- the openai SDK 2.x (what verifiers and renderers pin): token-id completions, a chat session over
+  ``X-Session-ID``, its last turn streamed.
+
+The PyPI ``renderers`` client's own ``generate`` is driven in test_serve_embedded.py
+(test_pypi_renderers_client_round_trip); here it runs inside verifiers' TrainClient.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import ray  # noqa: E402
+
+from rollout.config import ServeConfig, load_config  # noqa: E402
+
+from ._support import SMOLLM2, client_venv, http_call, reference, run_in_venv, smollm2_gguf  # noqa: E402
+
+MODEL = "smollm2-test"
+EOS = 2  # <|im_end|>, SmolLM2's EOS
+USER_TURNS = ["Name a colour.", "Another one.", "One more."]
+VERIFIERS_REQUIREMENTS = ["verifiers==0.4.0", "renderers==0.1.12", "uv==0.13.9"]  # uv: its harness runs with uv
+TRL_REQUIREMENTS = ["trl==1.16.0"]
+OPENAI_REQUIREMENTS = ["openai>=1.108.1,<3"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from rollout.serve.launch import ServerThread, build_state
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+             namespace="tito-test-clients", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+    cfg = load_config(None, [f"model={smollm2_gguf()}", f"served_model_name={MODEL}", "engine.backend=embedded",
+                             "engine.num_cpus=0.5", "engine.options={threads: 1, max_batch: 8, max_model_len: 2048}"],
+                      schema=ServeConfig)
+    state, actors = build_state(cfg)
+    srv = ServerThread(state).start()
+    yield srv
+    srv.stop()
+    for a in actors:
+        ray.kill(a)
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The GGUF's tokenizer as a directory, which PyPI renderers and transformers in the client venvs load."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    reference(SMOLLM2).save_pretrained(str(path))
+    return path
+
+
+def post(srv, path, body, headers=None):
+    return http_call(srv.url + path, "POST", body, headers, timeout=120)
+
+
+def hf_prompt(messages) -> list[int]:
+    hf = reference(SMOLLM2)
+    return hf(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False)["input_ids"]
+
+
+def greedy(srv, prompt_ids: list[int], max_tokens: int) -> dict:
+    status, r = post(srv, "/inference/v1/generate", {"token_ids": prompt_ids, "sampling_params": {
+        "max_tokens": max_tokens, "temperature": 0, "stop_token_ids": [EOS], "logprobs": 1}})
+    assert status == 200, r
+    return r["choices"][0]
+
+
+# ---- verifiers 0.4.0 ---------------------------------------------------------------------------------
+
+VERIFIERS_SCRIPT = """
+import asyncio, json, sys
+import verifiers.v1 as vf
+
+async def rollout(client, turns):
+    config = vf.AgentConfig(harness={"id": "null"}, runtime=vf.SubprocessConfig(), model=MODEL, client=client,
+                            sampling=vf.SamplingConfig(max_tokens=MAX_TOKENS, temperature=0.0))
+    async with vf.Agent(config) as agent:
+        async with agent.interaction(vf.Task(vf.TaskData(prompt=None))) as exchange:
+            for message in turns:
+                await exchange.turn(message)
+        trace = exchange.trace
+    return {"id": trace.id, "ok": trace.ok, "errors": [str(e) for e in trace.errors], "stop": trace.stop_condition,
+            "nodes": [{"parent": n.parent, "role": n.message.role, "content": n.message.content, "sampled": n.sampled,
+                       "token_ids": list(n.token_ids), "mask": list(n.mask), "logprobs": list(n.logprobs)}
+                      for n in trace.nodes],
+            "finish": [c.finish_reason for c in trace.calls]}
+
+async def main(url, tokenizer, turns):
+    key = "TITO_TEST_API_KEY"  # unset: the clients send "EMPTY"
+    train = vf.TrainClientConfig(base_url=url + "/v1", api_key_var=key, renderer_model_name=tokenizer)
+    out = {"train": await rollout(train, turns)}
+    out["eval"] = await rollout(vf.EvalClientConfig(base_url=url + "/v1", api_key_var=key), turns)
+    print(json.dumps(out))
+
+MODEL, MAX_TOKENS = sys.argv[4], int(sys.argv[5])
+asyncio.run(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3])))
+"""
+
+
+@pytest.fixture(scope="module")
+def verifiers_run(server, tokenizer_dir, tmp_path_factory):
+    """One train and one eval rollout, three user turns each, greedy, 12 tokens a turn."""
+    root = client_venv("verifiers", VERIFIERS_REQUIREMENTS)
+    metrics = server.state.metrics
+    generate_calls = metrics.get("requests_total", route="/inference/v1/generate", status="200")
+    out = run_in_venv(root, VERIFIERS_SCRIPT, server.url, str(tokenizer_dir), json.dumps(USER_TURNS), MODEL, "12",
+                      cwd=tmp_path_factory.mktemp("verifiers"), timeout=600)
+    out["generate_calls"] = metrics.get("requests_total", route="/inference/v1/generate", status="200") - generate_calls
+    return out
+
+
+def _check_three_turn_chain(trace: dict) -> None:
+    assert trace["ok"] and not trace["errors"] and trace["stop"] == "user_closed", trace
+    nodes = trace["nodes"]
+    # one chain, user and assistant alternating, each node the child of the one before: no branch, no break
+    assert [n["role"] for n in nodes] == ["user", "assistant"] * 3
+    assert [n["parent"] for n in nodes] == [None, 0, 1, 2, 3, 4]
+    assert [n["content"] for n in nodes[::2]] == USER_TURNS
+    assert all(n["sampled"] for n in nodes[1::2]) and all(n["content"] for n in nodes[1::2])
+
+
+@pytest.mark.slow
+def test_verifiers_train_client_three_turns_on_the_token_route(server, verifiers_run):
+    train = verifiers_run["train"]
+    _check_three_turn_chain(train)
+    assert verifiers_run["generate_calls"] == 3  # every turn sampled on /inference/v1/generate
+    nodes = train["nodes"]
+    # turn 1's prompt is apply_chat_template's; the completion is what the engine gives greedily for it
+    first_prompt = nodes[0]["token_ids"] + [t for t, m in zip(nodes[1]["token_ids"], nodes[1]["mask"]) if not m]
+    assert first_prompt == hf_prompt([{"role": "user", "content": USER_TURNS[0]}])
+    sampled = [t for t, m in zip(nodes[1]["token_ids"], nodes[1]["mask"]) if m]
+    direct = greedy(server, first_prompt, 12)
+    assert direct["token_ids"] == sampled
+    # a node keeps one logprob per sampled token
+    assert [c["logprob"] for c in direct["logprobs"]["content"]] == pytest.approx(nodes[1]["logprobs"], abs=1e-3)
+
+
+@pytest.mark.slow
+def test_verifiers_eval_client_session_is_the_train_trace(server, verifiers_run):
+    """The eval client's chat turns (X-Session-ID = its trace id) build a tito session; its sample holds the
+    same tokens and loss mask, token for token, as the train client's client-side rendered trace."""
+    train, ev = verifiers_run["train"], verifiers_run["eval"]
+    _check_three_turn_chain(ev)
+    assert [n["content"] for n in ev["nodes"]] == [n["content"] for n in train["nodes"]]  # greedy: the same answers
+    status, sample = http_call(f"{server.url}/v1/sessions/{ev['id']}/sample")
+    assert status == 200, sample
+    assert (sample["breaks"], sample["turns"], sample["bridged_turns"], len(sample["segments"])) == ([], 3, 2, 1)
+    (segment,) = sample["segments"]
+    assert segment["token_ids"] == [t for n in train["nodes"] for t in n["token_ids"]]
+    assert segment["loss_mask"] == [bool(m) for n in train["nodes"] for m in n["mask"]]
+    sampled_logprobs = [lp for lp, m in zip(segment["logprobs"], segment["loss_mask"]) if m]
+    assert sampled_logprobs == pytest.approx([lp for n in train["nodes"][1::2] for lp in n["logprobs"]], abs=1e-3)
+
+
+# ---- the openai SDK 2.x --------------------------------------------------------------------------------
+
+OPENAI_SCRIPT = """
+import json, sys
+import openai
+
+url, model, prompt, turns = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+out = {"version": openai.__version__}
+done = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                 extra_body={"return_token_ids": True})
+out["completion"] = done.model_dump()
+session = {"X-Session-ID": "openai-sdk-session"}
+messages, answers = [], []
+for i, turn in enumerate(turns):
+    messages.append({"role": "user", "content": turn})
+    kw = dict(model=model, messages=messages, max_tokens=10, temperature=0, extra_headers=session)
+    if i < len(turns) - 1:
+        answer = client.chat.completions.create(**kw).choices[0].message.content
+    else:  # the last turn streamed
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        out["stream_usage"] = chunks[-1].usage.model_dump()
+        out["stream_finish"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    answers.append(answer)
+    messages.append({"role": "assistant", "content": answer})
+out["answers"] = answers
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_openai_sdk_2_token_completions_and_a_streamed_chat_session(server, tmp_path):
+    root = client_venv("openai", OPENAI_REQUIREMENTS)
+    prompt = hf_prompt([{"role": "user", "content": USER_TURNS[0]}])
+    out = run_in_venv(root, OPENAI_SCRIPT, server.url, MODEL, json.dumps(prompt), json.dumps(USER_TURNS), cwd=tmp_path)
+    assert out["version"].startswith("2.")
+    (choice,) = out["completion"]["choices"]
+    assert choice["token_ids"] == greedy(server, prompt, 6)["token_ids"]
+    assert choice["text"] == reference(SMOLLM2).decode(choice["token_ids"])
+    assert out["completion"]["usage"]["prompt_tokens"] == len(prompt)
+    status, sample = http_call(f"{server.url}/v1/sessions/openai-sdk-session/sample")
+    assert status == 200, sample
+    assert (sample["breaks"], sample["turns"], sample["bridged_turns"]) == ([], 3, 2)
+    (segment,) = sample["segments"]
+    hf = reference(SMOLLM2)
+    last_turn = [t for t, m, turn in zip(segment["token_ids"], segment["loss_mask"], segment["turn_index"])
+                 if m and turn == 2]
+    # the streamed text is the last turn's tokens (less the EOS that ended it), and usage counts them
+    assert out["answers"][2] == hf.decode([t for t in last_turn if t != EOS]) and out["answers"][2]
+    assert out["stream_usage"]["completion_tokens"] == len(last_turn)
+    first_sampled = next(i for i, (m, turn) in enumerate(zip(segment["loss_mask"], segment["turn_index"]))
+                         if m and turn == 2)
+    assert out["stream_usage"]["prompt_tokens"] == first_sampled  # the whole session so far is the prompt
+    assert out["stream_finish"] == ["stop" if last_turn[-1] == EOS else "length"]
