@@ -205,17 +205,22 @@ def export(source: str | Path | Sequence[str | Path] | ds.Dataset, target: str, 
     Parquet file. ``env_name`` and ``temperature`` (prime-rl) default to what the output directory's
     manifest records; a row's own ``temperature`` column wins over both.
 
-    Raises ValueError for an unknown target, an ``out`` that already holds files or is the source itself,
+    Raises ValueError for an unknown target, an ``out`` that already holds files or lies inside the source,
     and (prime) a sample with no known temperature; FileNotFoundError when the source has no shards."""
     if target not in TARGETS:
         raise ValueError(f"unknown export target {target!r} (known: {', '.join(TARGETS)})")
+    source_dir = None if isinstance(source, (ds.Dataset, list, tuple)) else Path(source).expanduser()
+    if source_dir is not None and not source_dir.is_dir():
+        source_dir = None
     if out is None:
-        if isinstance(source, (ds.Dataset, list, tuple)):
-            raise ValueError("export of a dataset or a list of sources needs an output directory (out=...)")
-        out = default_out(source, target)
+        if source_dir is None:
+            raise ValueError("the default export directory sits beside a source directory; for a file, a glob, a "
+                             "list or a dataset give one (--out)")
+        out = default_out(source_dir, target)
     out = Path(out).expanduser()
-    if not isinstance(source, (ds.Dataset, list, tuple)) and out.resolve() == Path(source).expanduser().resolve():
-        raise ValueError(f"the export directory {out} is the source itself; choose another --out")
+    # inside the run directory the export's files would join the shards for every directory reader
+    if source_dir is not None and out.resolve().is_relative_to(source_dir.resolve()):
+        raise ValueError(f"the export directory {out} is inside the source {source_dir}; choose another --out")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"export directory {out} already holds files; remove it or choose another --out")
     dataset = source if isinstance(source, ds.Dataset) else open_shards(source)

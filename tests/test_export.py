@@ -105,8 +105,11 @@ def test_cli_writes_each_target_beside_the_source(run_dir, capsys):
     # a second export into the same place, or into the source, is refused with the reason
     assert tito_main(["export", str(out), "--to", "trl"]) == 2
     assert "already holds files" in capsys.readouterr().err
-    assert tito_main(["export", str(out), "--to", "trl", "--out", str(out)]) == 2
-    assert "is the source itself" in capsys.readouterr().err
+    for inside in (out, out / "trl"):
+        assert tito_main(["export", str(out), "--to", "trl", "--out", str(inside)]) == 2
+        assert "is inside the source" in capsys.readouterr().err
+    assert tito_main(["export", str(out / DATA_DIR / "*.arrow"), "--to", "trl"]) == 2
+    assert "give one (--out)" in capsys.readouterr().err
     assert tito_main(["export", str(out / "nothing"), "--to", "trl", "--out", str(out.parent / "x")]) == 2
     assert "no shard files" in capsys.readouterr().err
     with pytest.raises(SystemExit):
