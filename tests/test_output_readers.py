@@ -59,12 +59,13 @@ def test_pyarrow_dataset_on_the_directory(output):
 def test_polars_on_the_directory(output):
     """polars reads every non-empty file under a directory it is given, hidden ones too, and refuses mixed
     extensions; the documented calls name the shards under the directory: a glob, hidden_file_prefix
-    (scan_parquet only), or tito's list of shard files."""
+    (scan_parquet only), tito's list of shard files, or pyarrow's dataset of the directory."""
     import polars as pl
 
     out, fmt, rows = output
     if fmt == "arrow":
-        scans = [pl.scan_ipc(f"{out}/**/*.arrow"), pl.scan_ipc(shard_files(out))]
+        scans = [pl.scan_ipc(f"{out}/**/*.arrow"), pl.scan_ipc(shard_files(out)),
+                 pl.scan_pyarrow_dataset(ds.dataset(out, format="ipc"))]
     else:
         scans = [pl.scan_parquet(f"{out}/**/*.parquet"), pl.scan_parquet(out, hidden_file_prefix=["_", "."]),
                  pl.scan_parquet(shard_files(out))]
