@@ -5,9 +5,10 @@ inside itself, on the actor's event loop (vLLM's ``AsyncLLM`` binds to the loop 
 in rollout/engines; this module only places it on Ray.
 
 * It is an async actor. ``generate`` runs in the default concurrency group, bounded by ``max_concurrency`` (the
-  number of generate calls in flight per engine). ``abort``, ``update_weights``, ``info``, ``health`` and ``start``
-  run in a separate "control" group, so an abort or a health probe is never queued behind a full set of
-  generate calls.
+  number of generate calls in flight per engine). ``abort``, ``update_weights``, ``info``, ``health``, ``start``
+  and the admin calls (``reset_prefix_cache``, ``sleep``, ``wake_up``, ``world_size``, ``drop_session``; a
+  backend without one raises :class:`~rollout.engines.protocol.Unsupported`) run in a separate "control" group,
+  so an abort or a health probe is never queued behind a full set of generate calls.
 * Ray runs each concurrency group on its own event loop (its own thread), while a backend is bound to the loop
   that built it (vLLM's output handler, the embedded engine's futures). So every backend call is run on that one
   home loop, whichever group's loop received it (:meth:`EngineActorImpl._home`); cancelling the caller cancels
@@ -39,6 +40,7 @@ from rollout.engines.protocol import (
     EngineInfo,
     GenerateOutput,
     GenerateRequest,
+    Unsupported,
     close_backend,
     decode_request,
 )
@@ -235,6 +237,42 @@ class EngineActorImpl:
         info = backend.info()
         report.update(model=info.model, weight_version=info.weight_version)
         return report
+
+    # -- admin (the server's /reset_prefix_cache, /sleep, /wake_up, /get_world_size, session ends) ------------
+
+    async def _admin(self, name: str, *args: Any) -> Any:
+        """Call the backend's ``name`` on its home loop; Unsupported (HTTP 501) when the backend has none."""
+        backend = await self._ensure()
+        fn = getattr(backend, name, None)
+        if not callable(fn):
+            raise Unsupported(f"the {self.kind} engine backend cannot {name.replace('_', ' ')}")
+        res = fn(*args)
+        return await self._home(res) if inspect.isawaitable(res) else res
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return bool(await self._admin("reset_prefix_cache", reset_running_requests))
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def sleep(self, level: int = 1) -> None:
+        await self._admin("sleep", level)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._admin("wake_up", tags)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def world_size(self) -> int:
+        """The workers behind this engine (vLLM: tensor x pipeline x data parallel); 1 for one-process backends."""
+        backend = await self._ensure()
+        return int(await self._admin("world_size")) if callable(getattr(backend, "world_size", None)) else 1
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def drop_session(self, session_id: str) -> None:
+        """Forget a finished session's KV where the backend keeps one per session (else nothing to do)."""
+        backend = await self._ensure()
+        if callable(getattr(backend, "drop_session", None)):
+            await self._admin("drop_session", session_id)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def close(self) -> None:

@@ -197,6 +197,66 @@ class EmbeddedEngine:
             self._scheduler = None
         self._executor.shutdown(wait=True)
 
+    # -- admin: prefix cache, session KV, sleep / wake_up (the server's admin routes) ---------------------
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop the session KV kept between turns. A finished request's KV reaches the store one step after its
+        result, so those steps run first. False, as vLLM answers while running requests hold blocks, when a
+        running request of a session will still store its KV when it ends (its rows are its own, not a cache;
+        ``reset_running_requests`` cannot take them)."""
+        while any(s.finalizing for s in self._running):
+            await asyncio.sleep(0.005)
+        self.sessions.clear()
+        return not any(s.req.request.session_id for s in self._running)
+
+    def drop_session(self, session_id: str) -> None:
+        """Forget one session's KV now (its conversation ended) instead of waiting for the LRU to evict it."""
+        self.sessions.discard(session_id)
+
+    @property
+    def sleep_level(self) -> int:
+        """0 while awake; the level of the last :meth:`sleep` otherwise."""
+        return getattr(self, "_sleep_level", 0)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the weights and every KV buffer once nothing runs, as vLLM's sleep mode does on a GPU. Level 2
+        drops the weights; level 1 moves them to host memory on a GPU, and on a CPU (already host memory)
+        drops them too, since a copy would free nothing. The caller stops sending requests while asleep (the
+        server answers them 503); :meth:`wake_up` reloads the weights last loaded (the model, or the
+        checkpoint of the last ``update_weights``)."""
+        if level not in (1, 2):
+            raise EngineError(f"sleep level must be 1 or 2, got {level}", "level")
+        if self.sleep_level:
+            return
+        await self.wait_idle()
+        self._sleep_level = level
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._free_memory, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring the weights back (all of them, whatever ``tags`` says: the KV buffers are allocated on demand)."""
+        if not self.sleep_level:
+            return
+        path = getattr(self, "_weights_path", self.model_name)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._restore_weights, path)
+        self._sleep_level = 0
+
+    def _free_memory(self, level: int) -> None:
+        import gc
+
+        self.sessions.clear()
+        self.kv.release()
+        offload = level == 1 and self.device.type != "cpu"
+        # "meta" keeps the module (and its config, which info() reads) but no storage at all
+        self.model.to("cpu" if offload else "meta")
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _restore_weights(self, path: str) -> None:
+        if next(self.model.parameters()).device.type == "meta":
+            self._load_weights(path)
+        else:  # offloaded to host memory (level 1 on a GPU)
+            self.model.to(self.device)
+
     # -- scheduler (event loop side) ---------------------------------------------------------------------
     def _ensure_scheduler(self) -> None:
         """Start the scheduler task on the running loop (the engine is bound to the loop that uses it)."""
@@ -291,6 +351,7 @@ class EmbeddedEngine:
                 raise ValueError(f"{attr} differs: {getattr(new.config, attr)} vs {getattr(old, attr)}")
         new.config._attn_implementation = register_attention()
         self.model = new
+        self._weights_path = path  # what wake_up reloads after a sleep
         self.sessions.clear()
 
     @torch.inference_mode()

@@ -163,3 +163,13 @@ def decode_request(data: bytes | dict) -> GenerateRequest:
         return msgspec.convert(data, type=GenerateRequest)
     except msgspec.ValidationError as exc:
         raise EngineError(f"invalid request: {exc}") from None
+
+
+class Unsupported(RuntimeError):
+    """An admin operation this backend cannot do here (HTTP 501); the text names the backend and why.
+    Raised instead of pretending: a caller that must free memory or reset a cache learns it did not happen."""
+
+    status = 501
+
+    def __reduce__(self):  # keep the type through pickling (Ray)
+        return (type(self), (str(self),))

@@ -204,6 +204,10 @@ class ReplayEngine:
     async def health(self) -> dict[str, object]:
         return {"ok": True, "running": len(self._running), "records": len(self)}
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Nothing is cached (cached_prompt_tokens is always 0): the cache is empty, as asked."""
+        return True
+
     def _pick(self, request: GenerateRequest) -> list[ReplayRecord] | None:
         key = tuple(request.prompt_ids)
         recs = self._records.get(key)

