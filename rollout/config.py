@@ -106,6 +106,9 @@ class ServerConfig(_Strict):
 class SessionsConfig(_Strict):
     idle_timeout_s: float = Field(900.0, gt=0, description="a session unused this long is finished and dropped")
     max_sessions: int = Field(100_000, ge=1, description="sessions held at once; a new one beyond is refused (429)")
+    max_idle_bytes: int | None = Field(
+        1 << 30, ge=0, description="payload bytes (token ids + samples) all sessions may hold; over it the least "
+                                   "recently used idle sessions are ended first; none = no bound")
 
 
 class ServeOutputConfig(_Strict):

@@ -246,12 +246,26 @@ def test_pause_resume_and_update_weights(server):
     t.join(10)
     assert out["r"][0] == 200
     status, r = post(server, "/update_weights", {"weight_dir": "/checkpoints/step-7", "version": 7})
-    assert status == 200 and r == {"weight_version": 7}
+    assert status == 200 and r == {"status": "ok", "weight_version": 7}
     _, r = post(server, "/inference/v1/generate", {"token_ids": [9], "sampling_params": {"max_tokens": 2}})
     assert [s["version"] for s in r["choices"][0]["weight_versions"]] == ["7"]
     assert metric(server, "weight_version") == 7 and request(server, "GET", "/is_paused")[1]["is_paused"] is False
-    status, r = post(server, "/update_weights", {"weight_dir": "/x"})
-    assert status == 400 and "version" in r["error"]["message"]
+    # prime-rl sends no version: the version increments
+    status, r = post(server, "/update_weights", {"weight_dir": "/checkpoints/step-8"})
+    assert status == 200 and r["weight_version"] == 8
+    _, r = post(server, "/inference/v1/generate", {"token_ids": [9], "sampling_params": {"max_tokens": 2}})
+    assert [s["version"] for s in r["choices"][0]["weight_versions"]] == ["8"]
+    status, r = post(server, "/update_weights", {"version": 9})
+    assert status == 400 and r["error"]["param"] == "weight_dir"
+
+
+def test_replay_engines_cannot_sleep_501_and_stay_awake(server):
+    status, r = post(server, "/sleep", {"level": 1})
+    assert status == 501 and "replay" in r["error"]["message"] and "sleep" in r["error"]["message"], r
+    assert request(server, "GET", "/is_sleeping")[1] == {"is_sleeping": False}
+    assert post(server, "/inference/v1/generate", {"token_ids": [9], "sampling_params": {"max_tokens": 2}})[0] == 200
+    assert post(server, "/reset_prefix_cache", None) == (200, {"success": True})  # nothing is cached by replay
+    assert request(server, "GET", "/get_world_size") == (200, {"world_size": 2})
 
 
 # ---- chat sessions -------------------------------------------------------------------------------
@@ -275,7 +289,7 @@ def test_session_bridges_append_only_then_breaks_on_edited_history(server):
     (call,) = c1["message"]["tool_calls"]
     assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 1, "b": 2}
     assert c1["tool_call_attempts"] == [{"name": "add", "status": "ok", "error": None, "raw": call_raw(c1)}]
-    assert r1["session"] == {"id": sid, "turn": 0, "prompt": "first", "break": None}
+    assert r1["session"] == {"id": sid, "turn": 0, "prompt": "first", "break": None, "ended": False}
 
     # turn 2: the client echoes the assistant message (as OpenAI clients do) and adds the tool result
     messages = [*FIRST, c1["message"], {"role": "tool", "tool_call_id": call["id"], "content": "3"}]
@@ -364,6 +378,74 @@ def test_session_bad_input_and_stateless_chat(server):
     status, r = chat(server, FIRST, None, n=2, temperature=1.0, seed=1)
     assert status == 200 and len(r["choices"]) == 2 and "session" not in r
     assert r["prompt_token_ids"] == hf_prompt(FIRST, TOOLS)
+
+
+def listing(srv) -> dict:
+    status, r = request(srv, "GET", "/v1/sessions")
+    assert status == 200
+    return {s["id"]: s for s in r["sessions"]}
+
+
+def test_sessions_listed_and_ended_by_header_or_route(server):
+    a, b = "sess-end-header", "sess-end-delete"
+    hello = [{"role": "user", "content": "hello"}]
+    status, r = chat(server, hello, a, tools=None)
+    assert status == 200 and r["session"]["ended"] is False
+    assert chat(server, hello, b, tools=None)[0] == 200
+    held = listing(server)
+    tokens = len(r["prompt_token_ids"]) + len(r["choices"][0]["token_ids"])
+    assert held[a]["turns"] == 1 and held[a]["tokens"] == tokens and held[a]["breaks"] == 0
+    # payload bytes: the ids kept for the next bridge (int64) + the sample's id, logprob and mask per token
+    assert held[a]["bytes"] == 8 * tokens + (8 + 4 + 1) * tokens and held[a]["idle_s"] >= 0
+    assert list(held).index(a) < list(held).index(b)  # least recently used first
+
+    # the last turn says so: the session is ended once that turn is recorded
+    second = [*hello, r["choices"][0]["message"], {"role": "user", "content": "bye"}]
+    ended = metric(server, "sessions_ended_total", how="header")
+    status, r2 = post(server, "/v1/chat/completions", {"model": "qwen-test", "messages": second, "max_tokens": 8},
+                      headers={"X-Session-ID": a, "X-Session-End": "true"})
+    assert status == 200 and r2["session"]["ended"] is True and r2["session"]["prompt"] == "bridged"
+    assert a not in listing(server) and request(server, "GET", f"/v1/sessions/{a}/sample")[0] == 404
+    assert metric(server, "sessions_ended_total", how="header") == ended + 1
+
+    # bad header values are refused before any session opens
+    for headers, needle in [({"X-Session-ID": "sess-end-bad", "X-Session-End": "soon"}, "true or false"),
+                            ({"X-Session-End": "1"}, "X-Session-ID")]:
+        status, r = post(server, "/v1/chat/completions", {"model": "qwen-test", "messages": hello, "max_tokens": 4},
+                         headers=headers)
+        assert status == 400 and needle in r["error"]["message"] and r["error"]["param"] == "X-Session-End"
+    assert "sess-end-bad" not in listing(server)
+    # a last turn refused with 400 leaves the session: the client may send it again
+    status, _ = post(server, "/v1/chat/completions", {"model": "qwen-test", "messages": hello, "max_tokens": 4,
+                                                      "temperature": -1}, headers={"X-Session-ID": b, "X-Session-End": "1"})
+    assert status == 400 and b in listing(server)
+
+    status, r = request(server, "DELETE", f"/v1/sessions/{b}")
+    assert status == 200 and r["deleted"] is True and b not in listing(server)
+    assert request(server, "DELETE", f"/v1/sessions/{b}")[0] == 404
+
+
+def test_idle_sessions_are_evicted_least_recently_used_first_over_the_memory_bound(server):
+    sm = server.state.sessions
+    ids = ["sess-mem-0", "sess-mem-1", "sess-mem-2"]
+    for sid in ids:
+        assert chat(server, [{"role": "user", "content": f"hello {sid}"}], sid, tools=None)[0] == 200
+    held = listing(server)
+    bound = held[ids[1]]["bytes"] + held[ids[2]]["bytes"]  # room for the two most recent only
+    evicted = metric(server, "sessions_ended_total", how="evicted")
+    saved = sm.max_idle_bytes
+    sm.max_idle_bytes = bound
+    try:
+        deadline = time.monotonic() + 5
+        while ids[0] in listing(server) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the sweep (every 0.5 s here) enforces the bound
+        held = listing(server)
+        assert ids[0] not in held and ids[1] in held and ids[2] in held
+        assert sum(s["bytes"] for s in held.values()) <= bound
+        assert metric(server, "sessions_ended_total", how="evicted") >= evicted + 1
+        assert 0 < metric(server, "sessions_bytes") <= bound
+    finally:
+        sm.max_idle_bytes = saved
 
 
 def test_idle_sessions_expire(server):

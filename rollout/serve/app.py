@@ -5,7 +5,8 @@ Bodies are decoded and encoded with msgspec (schemas.py). Every refusal is a JSO
 ``{"error": {"message", "type", "param", "code"}}`` (``param`` names the offending field): 400 for bad
 input, 404 for an unknown session or route, 405 for a wrong method, 409 for a request id already running,
 413 for a body over the limit, 429 when too many sessions are held, 500 when an engine failed the
-request, 503 when an engine died; the server keeps serving in every case. A client that disconnects
+request, 501 for what cannot be real here (admin.py), 503 when an engine died or the engines are asleep;
+the server keeps serving in every case. A client that disconnects
 while its request runs has that request aborted on its engine.
 """
 
@@ -22,10 +23,10 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from ..engines.protocol import EngineError, GenerateOutput, GenerateRequest
-from ..handles import call
-from . import calls
+from ..engines.protocol import EngineError, GenerateOutput, GenerateRequest, Unsupported
+from . import admin, calls
 from .calls import ClientGone, error_response, json_response, root_cause
+from .chat_session import SESSION_END, end_session, evict_over_budget
 from .fleet import DuplicateRequest, EngineUnavailable
 from .openai_routes import chat_completions, completions, detokenize, tokenize
 from .schemas import (
@@ -36,7 +37,6 @@ from .schemas import (
     GenerateChoice,
     GenerateResponse,
     TokenLogprob,
-    UpdateWeightsBody,
     check_unsupported,
     decode,
     struct_values,
@@ -147,35 +147,11 @@ async def metrics(state: ServerState, request: Request) -> Response:
     m.set("routing_moves", fleet.router.moves)
     for i, load in enumerate(fleet.router.load):
         m.set("engine_load", 0 if i in fleet.dead else load, engine=str(i))
+    m.set("sessions_bytes", state.sessions.nbytes)
+    m.set("sleeping", int(bool(fleet.sleep_level)))
     m.set("paused", int(fleet.paused))
     m.set("weight_version", fleet.weight_version)
     return PlainTextResponse(m.render(), media_type="text/plain; version=0.0.4")
-
-
-async def pause(state: ServerState, request: Request) -> Response:
-    mode = request.query_params.get("mode", "wait")
-    if mode not in ("wait", "abort", "keep"):
-        raise BadRequest(f"pause mode must be 'wait', 'abort' or 'keep', got {mode!r}", "mode")
-    running = list(state.fleet.where)
-    await state.fleet.pause(mode)
-    if mode == "abort":
-        state.metrics.inc("aborts_total", len(running), cause="pause")
-    return _json({"paused": True, "mode": mode})
-
-
-async def resume(state: ServerState, request: Request) -> Response:
-    state.fleet.resume()
-    return _json({"paused": False})
-
-
-async def is_paused(state: ServerState, request: Request) -> Response:
-    return _json({"is_paused": state.fleet.paused})
-
-
-async def update_weights(state: ServerState, request: Request) -> Response:
-    body: UpdateWeightsBody = decode(await calls.read_body(state, request), UpdateWeightsBody)
-    await state.fleet.update_weights(body.weight_dir, body.version)
-    return _json({"weight_version": body.version})
 
 
 async def session_sample(state: ServerState, request: Request) -> Response:
@@ -188,16 +164,13 @@ async def session_sample(state: ServerState, request: Request) -> Response:
 
 
 async def session_delete(state: ServerState, request: Request) -> Response:
+    """End a session now: its samples written (to a shard file before answering, with an output
+    directory), its KV dropped on its engine."""
     sid = request.path_params["session_id"]
     s = state.sessions.get(sid)
     if s is None:
         return _error(404, f"no session {sid!r} (never started, deleted or expired)", "NotFoundError")
-    async with s.lock:
-        rows = await state.sessions.close(sid)
-        if rows and state.sessions.write_samples:
-            # the rows are in the renderer's shard writer: write them to a shard file before answering
-            await call(s.renderer, "flush")
-    state.fleet.forget(sid)
+    rows = await end_session(state, s, "deleted", how="delete", flush=True)
     return _json({"id": sid, "deleted": True, "rows_written": rows})
 
 
@@ -213,9 +186,36 @@ async def version(state: ServerState, request: Request) -> Response:
 
 
 async def sessions_list(state: ServerState, request: Request) -> Response:
+    """The sessions held, least recently used first (the next to be evicted), with what each holds."""
     now = time.monotonic()
-    return _json({"sessions": [{"id": s.id, "turns": s.turn, "bridged_turns": s.bridged, "breaks": s.breaks,
-                                "idle_s": round(now - s.last_used, 3)} for s in state.sessions.sessions.values()]})
+    sm = state.sessions
+    held = sorted(sm.sessions.values(), key=lambda s: s.last_used)
+    return _json({"object": "list", "count": len(held), "bytes": sum(s.nbytes for s in held),
+                  "max_idle_bytes": sm.max_idle_bytes, "idle_timeout_s": sm.idle_timeout_s,
+                  "sessions": [{"id": s.id, "turns": s.turn, "bridged_turns": s.bridged, "breaks": s.breaks,
+                            "tokens": s.sample_tokens, "bytes": s.nbytes, "idle_s": round(now - s.last_used, 3),
+                            "busy": s.lock.locked()} for s in held]})
+
+
+SESSION_END_HEADER = "x-session-end"
+
+
+async def chat(state: ServerState, request: Request) -> Response:
+    """/v1/chat/completions; ``X-Session-End: true`` with ``X-Session-ID`` ends the session after this turn."""
+    value = request.headers.get(SESSION_END_HEADER)
+    end = False
+    if value is not None:
+        low = value.strip().lower()
+        if low not in ("true", "1", "false", "0"):
+            raise BadRequest(f"X-Session-End must be true or false, got {value!r}", "X-Session-End")
+        end = low in ("true", "1")
+        if end and not request.headers.get("x-session-id"):
+            raise BadRequest("X-Session-End needs X-Session-ID: it ends that session", "X-Session-End")
+    token = SESSION_END.set(end)
+    try:
+        return await chat_completions(state, request)
+    finally:
+        SESSION_END.reset(token)
 
 
 # ---- the app -------------------------------------------------------------------------------------
@@ -242,12 +242,16 @@ def _wrap(state: ServerState, name: str, handler: Handler) -> Callable[[Request]
             response = _error(400, str(cause), "BadRequestError", getattr(cause, "param", None))
         except SessionLimit as exc:
             response = _error(429, str(exc), "RateLimitError")
+        except Unsupported as exc:  # an admin call this backend cannot do: never a pretend success
+            response = _error(501, str(root_cause(exc)), "NotImplementedError")
         except EngineUnavailable as exc:
             response = _error(503, str(exc), "ServiceUnavailableError")
         except Exception as exc:  # an engine failure: this request fails, the server keeps serving
             cause = root_cause(exc)
             if isinstance(cause, ValueError):  # an engine's refusal that crossed Ray as a task error
                 response = _error(400, str(cause), "BadRequestError", getattr(cause, "param", None))
+            elif isinstance(cause, Unsupported):
+                response = _error(501, str(cause), "NotImplementedError")
             else:
                 m.inc("engine_errors_total")
                 response = _error(500, f"{type(cause).__name__}: {cause}", "InternalServerError")
@@ -270,14 +274,11 @@ def create_app(state: ServerState) -> Starlette:
         ("/inference/v1/abort_requests", abort_requests, ["POST"]),
         ("/abort_requests", abort_requests, ["POST"]),
         ("/v1/completions", completions, ["POST"]),
-        ("/v1/chat/completions", chat_completions, ["POST"]),
+        ("/v1/chat/completions", chat, ["POST"]),
         ("/v1/models", models, ["GET"]),
         ("/health", health, ["GET"]),
         ("/metrics", metrics, ["GET"]),
-        ("/pause", pause, ["POST"]),
-        ("/resume", resume, ["POST"]),
-        ("/is_paused", is_paused, ["GET"]),
-        ("/update_weights", update_weights, ["POST"]),
+        *admin.ROUTES,
         ("/v1/sessions", sessions_list, ["GET"]),
         ("/v1/sessions/{session_id}/sample", session_sample, ["GET"]),
         ("/v1/sessions/{session_id}", session_delete, ["DELETE"]),
@@ -293,8 +294,10 @@ def create_app(state: ServerState) -> Starlette:
                 await asyncio.sleep(state.sweep_interval_s)
                 with contextlib.suppress(Exception):
                     for sid in await state.sessions.expire():
-                        state.fleet.forget(sid)
+                        await state.fleet.end_session(sid)
                         state.metrics.inc("sessions_expired_total")
+                        state.metrics.inc("sessions_ended_total", how="expired")
+                    await evict_over_budget(state)
 
         task = asyncio.create_task(sweep())
         try:

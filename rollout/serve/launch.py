@@ -54,7 +54,8 @@ def build_state(cfg: ServeConfig) -> tuple[ServerState, list[Any]]:
                              thinking_retention=cfg.renderer.thinking_retention, **cfg.renderer.template_kwargs)
     fleet = Fleet(engines, infos, cfg.engine.overload_factor)
     sessions = SessionManager(renderer_actors, idle_timeout_s=cfg.sessions.idle_timeout_s,
-                              max_sessions=cfg.sessions.max_sessions, write_samples=bool(out_dir))
+                              max_sessions=cfg.sessions.max_sessions, write_samples=bool(out_dir),
+                              max_idle_bytes=cfg.sessions.max_idle_bytes)
     names = [cfg.served_model_name or cfg.model, cfg.model, model_path]
     state = ServerState(fleet=fleet, sessions=sessions, parser=parser, model_names=list(dict.fromkeys(names)),
                         root=model_path, default_max_tokens=cfg.default_max_tokens,

@@ -124,7 +124,12 @@ def server_metrics() -> Metrics:
     m.counter("session_turns_total", "session chat turns, by how the prompt was built (first, bridged, break, retry)")
     m.counter("breaks_total", "session turns that could not be bridged append-only, by reason")
     m.counter("sessions_expired_total", "sessions dropped after their idle timeout")
+    m.counter("sessions_ended_total", "sessions ended, by how: header (X-Session-End), delete, expired, "
+              "evicted (the least recently used idle ones, over sessions.max_idle_bytes)")
     m.gauge("sessions_active", "sessions held")
+    m.gauge("sessions_bytes", "payload bytes the sessions hold (token ids + samples; bounded by max_idle_bytes)")
+    m.counter("prefix_cache_resets_total", "POST /reset_prefix_cache calls served")
+    m.gauge("sleeping", "1 while the engines are asleep (POST /sleep): weights and KV freed")
     m.gauge("requests_in_flight", "requests running on the engines")
     m.gauge("cache_reuse_ratio", "cached prompt tokens / prompt tokens, over all served requests")
     m.gauge("routing_moves", "sticky sessions moved to another engine because theirs was overloaded")

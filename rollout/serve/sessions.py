@@ -8,8 +8,16 @@ the previous prompt + the sampled completion + the new messages' tokens, so no s
 re-rendered. Any other call (an edited history, changed tools, a retry after a failed turn) is not
 silently bridged: it records a Break with its reason and starts a new segment from a full render.
 
-Calls on one session are serialized (a lock per session). Sessions idle longer than the configured
-timeout are finished (their samples written when the server has an output directory) and dropped.
+Calls on one session are serialized (a lock per session). A session ends when its client says so
+(``X-Session-End: true`` on its last chat call, or ``DELETE /v1/sessions/{id}``), when it has been idle
+longer than the configured timeout, or when the sessions together hold more than ``max_idle_bytes``: then
+the least recently used idle ones are evicted first. An ended session is finished (its samples written when
+the server has an output directory) and dropped.
+
+Memory is counted as payload bytes (:attr:`Session.nbytes`): the token ids this server keeps for the
+session's next bridge (int64) plus the samples its renderer holds (per token an int64 id, a float32
+logprob and a one-byte loss mask, as a shard stores them). Python's objects holding them take a few times
+more; the bound is on the payload, which grows with the same tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from ..handles import call
 HISTORY_EDITED = "history_edited"
 TOOLS_CHANGED = "tools_changed"
 RETRY_AFTER_FAILED_TURN = "previous_turn_not_sampled"
+ID_BYTES = 8  # a token id held by this server for the next bridge (int64)
+SAMPLE_TOKEN_BYTES = 8 + 4 + 1  # a sample token the renderer holds: int64 id, float32 logprob, bool mask
 
 
 class SessionLimit(RuntimeError):
@@ -49,6 +59,17 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     bridged: int = 0
     breaks: int = 0
+    closed_segment_tokens: int = 0  # sample tokens of segments a break closed (the renderer still holds them)
+
+    @property
+    def sample_tokens(self) -> int:
+        """Tokens of the samples the renderer holds: closed segments + the current prompt and completion."""
+        return self.closed_segment_tokens + len(self.prompt_ids) + len(self.last_completion)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes held for this session (see the module doc)."""
+        return ID_BYTES * (len(self.prompt_ids) + len(self.last_completion)) + SAMPLE_TOKEN_BYTES * self.sample_tokens
 
 
 @dataclass
@@ -91,16 +112,23 @@ def _first_difference(a: list[dict], b: list[dict]) -> int:
 
 class SessionManager:
     def __init__(self, renderers: list[Any], *, idle_timeout_s: float, max_sessions: int,
-                 write_samples: bool = False) -> None:
+                 write_samples: bool = False, max_idle_bytes: int | None = None) -> None:
         if not renderers:
             raise ValueError("need at least one renderer service")
         self.renderers = renderers
         self.sessions: dict[str, Session] = {}
         self.idle_timeout_s = idle_timeout_s
         self.max_sessions = max_sessions
+        self.max_idle_bytes = max_idle_bytes  # None: no bound by memory
         self.write_samples = write_samples
         self._next_renderer = itertools.cycle(range(len(renderers)))
         self.expired = 0
+        self.evicted = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes held by all sessions (see the module doc)."""
+        return sum(s.nbytes for s in self.sessions.values())
 
     def get(self, session_id: str) -> Session | None:
         return self.sessions.get(session_id)
@@ -148,6 +176,10 @@ class SessionManager:
                 prepared = await self._restart(
                     s, msgs, tools, HISTORY_EDITED,
                     f"message {at} differs from the conversation this session sampled (edited or dropped history)")
+        if prepared.brk is not None and s.prompt_ids:
+            # the renderer closed the previous segment (prompt + its sampled completion) and keeps it
+            s.closed_segment_tokens += len(s.prompt_ids) + (len(s.last_completion) if s.assistant else 0)
+        s.last_completion = []  # bridged: it is in the new prompt now; otherwise the new prompt does not extend it
         s.messages, s.tools, s.prompt_ids, s.assistant = msgs, tools, prepared.prompt_ids, None
         s.bridged += prepared.kind == "bridged"
         s.breaks += prepared.brk is not None
@@ -186,6 +218,24 @@ class SessionManager:
             return await call(s.renderer, "finish", session_id, meta)
         await call(s.renderer, "discard", session_id)
         return 0
+
+    async def evict_over_budget(self) -> list[str]:
+        """While the sessions hold more than ``max_idle_bytes``, close the least recently used idle one (not
+        one in a call); returns the evicted ids. Busy sessions alone may still exceed the bound."""
+        if self.max_idle_bytes is None:
+            return []
+        total = self.nbytes
+        evicted: list[str] = []
+        for s in sorted(self.sessions.values(), key=lambda s: s.last_used):
+            if total <= self.max_idle_bytes:
+                break
+            if s.lock.locked():
+                continue
+            total -= s.nbytes
+            await self.close(s.id, "evicted")
+            evicted.append(s.id)
+        self.evicted += len(evicted)
+        return evicted
 
     async def expire(self, now: float | None = None) -> list[str]:
         """Close the sessions idle longer than the timeout (not those in a call)."""

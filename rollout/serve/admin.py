@@ -1,0 +1,241 @@
+"""The admin routes, as the RL stacks send them: prime-rl (/pause?mode=keep&clear_cache=false, /update_weights
+with no version, /resume, /liveness), SkyRL and TRL (/reset_prefix_cache, /get_world_size, /sleep, /wake_up,
+/is_sleeping, /server_info).
+
+Parameters are read from the query string, as vLLM's routes read them, or from a JSON body, as SkyRL's client
+sends several of them (``/sleep {"level": 2}``); the query wins when both name one. Unknown body fields are
+refused with 400. Each route acts on every live engine of the fleet (rollout/serve/fleet.py). What cannot be
+real here answers 501 naming why, never a pretend success: NCCL weight transfer (/init_broadcaster,
+/init_weight_transfer_engine, /update_weights with ``update_info``), LoRA adapters, and sleep on a backend
+without it (vLLM's CPU build).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from . import calls
+from .calls import json_response
+from .schemas import BadRequest, decode
+from .state import ServerState
+
+PauseMode = Literal["wait", "abort", "keep"]
+
+
+class PauseBody(msgspec.Struct, forbid_unknown_fields=True):
+    mode: PauseMode | None = None
+    clear_cache: bool | None = None
+    wait_for_inflight_request: bool | None = None  # SkyRL's older client: True = "wait", False = "abort"
+
+
+class UpdateWeightsBody(msgspec.Struct, forbid_unknown_fields=True):
+    weight_dir: str | None = None
+    version: int | None = None  # None: the current version + 1 (prime-rl sends none)
+    skip_prefix_cache_reset: bool = False  # prime-rl's; KV of old weights is never reused here anyway
+    update_info: dict | None = None  # TRL's / SkyRL's NCCL tensor update: 501
+
+
+class SleepBody(msgspec.Struct, forbid_unknown_fields=True):
+    level: int | None = None
+    mode: Literal["wait", "abort"] | None = None
+    tags: list[str] | None = None
+
+
+class WakeUpBody(msgspec.Struct, forbid_unknown_fields=True):
+    tags: list[str] | None = None
+
+
+class ResetPrefixCacheBody(msgspec.Struct, forbid_unknown_fields=True):
+    reset_running_requests: bool | None = None
+    reset_external: bool | None = None
+
+
+async def _body(state: ServerState, request: Request, type_: type) -> msgspec.Struct:
+    """The JSON body as ``type_``; an empty body (or ``{}``) is all defaults."""
+    raw = await calls.read_body(state, request)
+    return decode(raw, type_) if raw.strip() else type_()
+
+
+def _query_bool(request: Request, name: str) -> bool | None:
+    value = request.query_params.get(name)
+    if value is None:
+        return None
+    low = value.lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no"):
+        return False
+    raise BadRequest(f"{name} must be true or false, got {value!r}", name)
+
+
+def _query_int(request: Request, name: str) -> int | None:
+    value = request.query_params.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise BadRequest(f"{name} must be an integer, got {value!r}", name) from None
+
+
+def _not_here(what: str, why: str) -> Response:
+    return calls.error_response(501, f"{what} is not supported by tito serve: {why}", "NotImplementedError")
+
+
+# ---- pause / resume / weights ---------------------------------------------------------------------
+
+
+async def pause(state: ServerState, request: Request) -> Response:
+    """Stop admitting requests. ``mode``: "wait" (tito's default: return once the running ones finished),
+    "abort" (vLLM's default: abort them) or "keep" (leave them running). ``clear_cache=true`` also drops the
+    engines' cached KV once they are drained (vLLM's default is true; tito's false: its caches are salted by
+    weight version, so no stale KV is ever reused)."""
+    body: PauseBody = await _body(state, request, PauseBody)
+    mode = request.query_params.get("mode") or body.mode
+    if mode is None and body.wait_for_inflight_request is not None:
+        mode = "wait" if body.wait_for_inflight_request else "abort"
+    mode = mode or "wait"
+    if mode not in ("wait", "abort", "keep"):
+        raise BadRequest(f"pause mode must be 'wait', 'abort' or 'keep', got {mode!r}", "mode")
+    clear = _query_bool(request, "clear_cache")
+    clear = body.clear_cache if clear is None else clear
+    running = list(state.fleet.where)
+    await state.fleet.pause(mode)
+    if mode == "abort":
+        state.metrics.inc("aborts_total", len(running), cause="pause")
+    cleared = bool(clear) and mode != "keep" and await state.fleet.reset_prefix_cache()
+    return json_response({"status": "paused", "paused": True, "mode": mode, "cache_cleared": cleared})
+
+
+async def resume(state: ServerState, request: Request) -> Response:
+    state.fleet.resume()
+    return json_response({"status": "resumed", "paused": False})
+
+
+async def is_paused(state: ServerState, request: Request) -> Response:
+    return json_response({"is_paused": state.fleet.paused})
+
+
+async def update_weights(state: ServerState, request: Request) -> Response:
+    """Load a checkpoint directory on every engine. Without ``version`` (prime-rl) the version increments by
+    one; with it (tito's and the older vLLM API) that version is served."""
+    body: UpdateWeightsBody = await _body(state, request, UpdateWeightsBody)
+    if body.update_info is not None:
+        return _not_here("update_weights with update_info (tensors streamed over an NCCL group, TRL's and "
+                         "SkyRL's weight sync)", "the engines load checkpoints from disk; send "
+                         '{"weight_dir": "<safetensors directory>"} instead')
+    if not body.weight_dir:
+        raise BadRequest("weight_dir is required: the checkpoint directory to load", "weight_dir")
+    version = await state.fleet.update_weights(body.weight_dir, body.version)
+    return json_response({"status": "ok", "weight_version": version})
+
+
+async def init_broadcaster(state: ServerState, request: Request) -> Response:
+    return _not_here(request.url.path, "weights are loaded from checkpoint directories (POST /update_weights "
+                     '{"weight_dir": ...}); there is no NCCL broadcast group to join')
+
+
+async def load_lora_adapter(state: ServerState, request: Request) -> Response:
+    return _not_here(request.url.path, "the engines serve one full model; LoRA adapters are not loaded "
+                     "(merge the adapter and POST /update_weights with the merged checkpoint)")
+
+
+# ---- health and sizes ------------------------------------------------------------------------------
+
+
+async def liveness(state: ServerState, request: Request) -> Response:
+    """200 while the server process answers, whatever the engines' state (/health checks those)."""
+    return json_response({"status": "alive"})
+
+
+async def get_world_size(state: ServerState, request: Request) -> Response:
+    """vLLM's: the inference workers (tensor x pipeline x data parallel) summed over the engines."""
+    return json_response({"world_size": await state.fleet.world_size()})
+
+
+async def server_info(state: ServerState, request: Request) -> Response:
+    """What TRL's VLLMClient.get_server_info reads (``vllm_config``, whose ``weight_transfer_config`` is null:
+    no NCCL weight transfer here, so TRL says so instead of failing later), with tito's own summary."""
+    fleet = state.fleet
+    world = await fleet.world_size()
+    info = fleet.infos[0]
+    summary = {"model": state.model_names[0], "root": state.root, "backend": info.backend,
+               "engines": len(fleet.engines), "engines_alive": len(fleet.engines) - len(fleet.dead),
+               "world_size": world, "max_model_len": fleet.max_model_len, "vocab_size": fleet.vocab_size,
+               "weight_version": fleet.weight_version, "paused": fleet.paused, "sleep_level": fleet.sleep_level}
+    vllm_config = {"model_config": {"model": state.model_names[0], "max_model_len": fleet.max_model_len},
+                   "parallel_config": {"world_size": world}, "weight_transfer_config": None}
+    return json_response({"vllm_config": vllm_config, "tito": summary})
+
+
+# ---- prefix cache, sleep ---------------------------------------------------------------------------
+
+
+async def reset_prefix_cache(state: ServerState, request: Request) -> Response:
+    """Every engine drops its cached KV (embedded: the session KV; vLLM: AsyncLLM.reset_prefix_cache).
+    ``{"success": false}`` as vLLM answers when blocks were still held by running requests."""
+    body: ResetPrefixCacheBody = await _body(state, request, ResetPrefixCacheBody)
+    running = _query_bool(request, "reset_running_requests")
+    running = bool(body.reset_running_requests if running is None else running)
+    external = _query_bool(request, "reset_external")
+    if external if external is not None else body.reset_external:
+        return _not_here("reset_external", "there is no external (connector-managed) KV cache here")
+    success = await state.fleet.reset_prefix_cache(running)
+    state.metrics.inc("prefix_cache_resets_total")
+    return json_response({"success": success})
+
+
+async def sleep(state: ServerState, request: Request) -> Response:
+    """Free every engine's weights and KV (``level`` 1 or 2, as vLLM's); requests get 503 until /wake_up.
+    ``mode``: "abort" (vLLM's default) or "wait" for the running requests."""
+    body: SleepBody = await _body(state, request, SleepBody)
+    level = _query_int(request, "level")
+    level = body.level if level is None else level
+    level = 1 if level is None else level
+    if level not in (1, 2):
+        raise BadRequest(f"sleep level must be 1 or 2, got {level}", "level")
+    mode = request.query_params.get("mode") or body.mode or "abort"
+    if mode not in ("abort", "wait"):
+        raise BadRequest(f"sleep mode must be 'abort' or 'wait', got {mode!r} (sleeping frees the KV of "
+                         "running requests, so they cannot be kept)", "mode")
+    running = list(state.fleet.where)
+    await state.fleet.sleep(level, mode)  # Unsupported (a backend without sleep mode): 501 naming it
+    if mode == "abort":
+        state.metrics.inc("aborts_total", len(running), cause="sleep")
+    return json_response({"status": "sleeping", "level": level})
+
+
+async def wake_up(state: ServerState, request: Request) -> Response:
+    """Reload every engine's weights (all of them: ``tags`` are accepted as vLLM's and echoed, and tito
+    wakes weights and KV together)."""
+    body: WakeUpBody = await _body(state, request, WakeUpBody)
+    tags = request.query_params.getlist("tags") or body.tags or None
+    await state.fleet.wake_up(tags)
+    return json_response({"status": "awake", "tags": tags})
+
+
+async def is_sleeping(state: ServerState, request: Request) -> Response:
+    return json_response({"is_sleeping": bool(state.fleet.sleep_level)})
+
+
+ROUTES = [
+    ("/pause", pause, ["POST"]),
+    ("/resume", resume, ["POST"]),
+    ("/is_paused", is_paused, ["GET"]),
+    ("/update_weights", update_weights, ["POST"]),
+    ("/init_broadcaster", init_broadcaster, ["POST"]),
+    ("/init_weight_transfer_engine", init_broadcaster, ["POST"]),
+    ("/load_lora_adapter", load_lora_adapter, ["POST"]),
+    ("/v1/load_lora_adapter", load_lora_adapter, ["POST"]),
+    ("/liveness", liveness, ["GET"]),
+    ("/get_world_size", get_world_size, ["GET"]),
+    ("/server_info", server_info, ["GET"]),
+    ("/reset_prefix_cache", reset_prefix_cache, ["POST"]),
+    ("/sleep", sleep, ["POST"]),
+    ("/wake_up", wake_up, ["POST"]),
+    ("/is_sleeping", is_sleeping, ["GET"]),
+]

@@ -1,0 +1,232 @@
+"""The admin routes as prime-rl, SkyRL and TRL send them, against ``tito serve`` with two real embedded
+engines (SmolLM2-135M, CPU) as Ray actors, over loopback HTTP.
+
+Request shapes come from the clients' sources: prime-rl's InferenceAdmin (``/pause`` with query params
+``mode=keep&clear_cache=false``, ``/update_weights {"weight_dir"}`` with no version, ``/resume``), SkyRL's
+RemoteInferenceClient (JSON bodies: ``/sleep {"level": 2}``, ``/wake_up {}``, ``/reset_prefix_cache
+{"reset_running_requests": false}``, ``GET /get_world_size`` with a ``{}`` body) and TRL's VLLMClient
+(``GET /server_info?config_format=json`` reading ``vllm_config.weight_transfer_config``, ``/get_world_size``).
+
+Sleep is checked by what it frees: each engine actor's resident memory (its process's VmRSS) drops by most of
+the fp32 weights (~540 MB) and comes back on wake_up, after which greedy output is token-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import ray  # noqa: E402
+
+from rollout.config import ServeConfig, load_config  # noqa: E402
+
+from ._support import SMOLLM2, http_call, reference  # noqa: E402
+
+WEIGHT_BYTES = 134_515_008 * 4  # SmolLM2-135M's parameters in fp32
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from rollout.models import model_dir
+
+    return str(model_dir("smollm2-135m"))  # the GGUF converted to safetensors: loadable by update_weights too
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_path):
+    from rollout.serve.launch import ServerThread, build_state
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+             namespace="tito-test-serve-admin", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+    cfg = load_config(None, [f"model={model_path}", "served_model_name=smollm2-admin", "engine.backend=embedded",
+                             "engine.count=2", "engine.num_cpus=0.5",
+                             "engine.options={threads: 1, max_batch: 4, max_model_len: 1024}"], schema=ServeConfig)
+    state, actors = build_state(cfg)
+    srv = ServerThread(state).start()
+    yield srv
+    srv.stop()
+    for a in actors:
+        ray.kill(a)
+    ray.shutdown()
+
+
+def call(srv, method: str, path: str, body=None, raw: bytes | None = None):
+    return http_call(srv.url + path, method, body, None, raw, 300)
+
+
+def prompt_ids(text: str) -> list[int]:
+    hf = reference(SMOLLM2)
+    return hf(hf.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                     add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+
+def generate(srv, prompt: list[int], max_tokens: int = 8, **extra):
+    return call(srv, "POST", "/inference/v1/generate", {"token_ids": prompt, "sampling_params": {
+        "max_tokens": max_tokens, "temperature": 0}, **extra})
+
+
+def engine_rss(srv) -> list[int]:
+    """Each engine actor process's resident set, in bytes (the actors run on this machine)."""
+    pids = ray.get([e.__ray_call__.remote(lambda self: os.getpid()) for e in srv.state.fleet.engines])
+    out = []
+    for pid in pids:
+        with open(f"/proc/{pid}/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        out.append(kb * 1024)
+    return out
+
+
+# ---- prime-rl ----------------------------------------------------------------------------------------------
+
+
+def test_prime_rl_weight_update_cycle(server, model_path):
+    """pause(keep, no cache clear) -> update_weights without a version -> resume, exactly as prime-rl sends
+    it; a request sent while paused waits, then runs under the new version."""
+    assert call(server, "GET", "/liveness") == (200, {"status": "alive"})
+    start = server.state.fleet.weight_version
+    status, r = call(server, "POST", "/pause?mode=keep&clear_cache=false")
+    assert status == 200 and r["mode"] == "keep" and r["cache_cleared"] is False
+    out = {}
+    waiting = threading.Thread(target=lambda: out.update(r=generate(server, prompt_ids("Hi"), 2)))
+    waiting.start()
+    time.sleep(0.5)
+    assert "r" not in out, "a request ran while paused"
+    status, r = call(server, "POST", "/update_weights", {"weight_dir": model_path})
+    assert status == 200 and r == {"status": "ok", "weight_version": start + 1}
+    assert call(server, "GET", "/is_paused")[1] == {"is_paused": True}  # prime-rl resumes itself
+    assert call(server, "POST", "/resume")[0] == 200
+    waiting.join(120)
+    status, r = out["r"]
+    assert status == 200 and [s["version"] for s in r["choices"][0]["weight_versions"]] == [str(start + 1)]
+    status, r = call(server, "POST", "/update_weights", {"weight_dir": model_path, "version": 10})
+    assert status == 200 and r["weight_version"] == 10  # an explicit version is still served as given
+    status, r = call(server, "POST", "/update_weights", {"weight_dir": model_path})
+    assert r["weight_version"] == 11
+
+
+def test_what_cannot_be_real_here_is_501_naming_why(server):
+    for path, body, needle in [
+        ("/init_broadcaster", {"host": "127.0.0.1", "port": 29500, "rank_offset": 0, "inference_world_size": 2,
+                               "timeout": 60}, "NCCL"),
+        ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1"}}, "NCCL"),
+        ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/a"}, "LoRA"),
+        ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/a", "load_inplace": True}, "LoRA"),
+        ("/update_weights", {"update_info": {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}}, "NCCL"),
+        ("/reset_prefix_cache?reset_external=true", None, "external"),
+    ]:
+        status, r = call(server, "POST", path, body)
+        assert status == 501 and needle in r["error"]["message"], (path, r)
+
+
+@pytest.mark.parametrize("method,path,body,param", [
+    ("POST", "/update_weights", {}, "weight_dir"),
+    ("POST", "/update_weights", {"weight_dir": "/x", "step": 3}, None),
+    ("POST", "/pause?mode=later", None, "mode"),
+    ("POST", "/pause?clear_cache=maybe", None, "clear_cache"),
+    ("POST", "/sleep?level=3", None, "level"),
+    ("POST", "/sleep?mode=keep", None, "mode"),
+    ("POST", "/sleep?level=two", None, "level"),
+])
+def test_bad_admin_input_is_400_naming_it(server, method, path, body, param):
+    status, r = call(server, method, path, body)
+    assert status == 400, r
+    assert r["error"]["param"] == param or (param is None and "step" in r["error"]["message"])
+    assert call(server, "GET", "/is_sleeping")[1] == {"is_sleeping": False}
+
+
+# ---- SkyRL / TRL -------------------------------------------------------------------------------------------
+
+
+def test_world_size_and_server_info_as_trl_and_skyrl_read_them(server):
+    assert call(server, "GET", "/get_world_size") == (200, {"world_size": 2})  # two one-process engines
+    assert call(server, "GET", "/get_world_size", raw=b"{}") == (200, {"world_size": 2})  # SkyRL's GET body
+    status, r = call(server, "GET", "/server_info?config_format=json")
+    assert status == 200 and r["vllm_config"]["weight_transfer_config"] is None  # TRL: "no weight-transfer engine"
+    assert r["tito"]["world_size"] == 2 and r["tito"]["backend"] == "embedded"
+    assert r["tito"]["max_model_len"] == 1024 and r["tito"]["model"] == "smollm2-admin"
+
+
+def test_reset_prefix_cache_drops_session_kv(server):
+    """A request keyed by cache_salt whose prompt extends the previous one's prompt + completion reuses the KV
+    that one left; after /reset_prefix_cache (SkyRL's JSON body) the next such request prefills in full."""
+    extra = prompt_ids("And one more?")[1:]
+    prompt = prompt_ids("Name three colours.")
+    first = generate(server, prompt, 4, cache_salt="salt-reset")[1]["choices"][0]["token_ids"]
+    second_prompt = prompt + first + extra
+    second = generate(server, second_prompt, 4, cache_salt="salt-reset")[1]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt), second["usage"]
+    status, r = call(server, "POST", "/reset_prefix_cache", {"reset_running_requests": False})
+    assert (status, r) == (200, {"success": True})
+    third = generate(server, second_prompt + second["choices"][0]["token_ids"] + extra, 4, cache_salt="salt-reset")[1]
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, third["usage"]
+
+
+def on_both_engines(srv, prompt: list[int]) -> list[list[int]]:
+    """Two greedy requests at once: the least-loaded router puts one on each engine (so both engines' weights
+    are resident: they are mapped from the safetensors file and read in by the first forward pass)."""
+    out: dict[int, tuple] = {}
+    threads = [threading.Thread(target=lambda i=i: out.update({i: generate(srv, prompt, 8)})) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(out[i][0] == 200 for i in range(2)), out
+    return [out[i][1]["choices"][0]["token_ids"] for i in range(2)]
+
+
+def test_sleep_frees_weights_and_kv_and_wake_up_restores_them(server):
+    prompt = prompt_ids("What is the capital of France?")
+    before = on_both_engines(server, prompt)
+    awake = engine_rss(server)
+    status, r = call(server, "POST", "/sleep", {"level": 2})  # SkyRL sends the level in a JSON body
+    assert (status, r) == (200, {"status": "sleeping", "level": 2})
+    asleep = engine_rss(server)
+    freed = [a - s for a, s in zip(awake, asleep)]
+    print(f"engine RSS awake {[a >> 20 for a in awake]} MiB, asleep {[s >> 20 for s in asleep]} MiB")
+    assert all(f > 0.7 * WEIGHT_BYTES for f in freed), f"freed {[f >> 20 for f in freed]} MiB per engine"
+    assert call(server, "GET", "/is_sleeping")[1] == {"is_sleeping": True}
+    status, r = generate(server, prompt, 8)
+    assert status == 503 and "wake_up" in r["error"]["message"]
+    status, r = call(server, "POST", "/update_weights", {"weight_dir": "/nowhere"})
+    assert status == 503 and "wake_up" in r["error"]["message"]
+    assert call(server, "GET", "/liveness")[0] == 200  # the process is alive while its engines sleep
+    status, r = call(server, "POST", "/wake_up", {})
+    assert (status, r) == (200, {"status": "awake", "tags": None})
+    assert call(server, "GET", "/is_sleeping")[1] == {"is_sleeping": False}
+    assert on_both_engines(server, prompt) == before  # the same weights came back, on both engines
+    woken = engine_rss(server)
+    print(f"engine RSS woken {[w >> 20 for w in woken]} MiB")
+    assert all(w - s > 0.7 * WEIGHT_BYTES for w, s in zip(woken, asleep))
+
+
+def test_sleep_aborts_running_requests_by_default(server):
+    out = {}
+    running = threading.Thread(target=lambda: out.update(r=call(server, "POST", "/inference/v1/generate", {
+        "token_ids": prompt_ids("Count to one hundred."), "sampling_params": {
+            "max_tokens": 400, "temperature": 0, "ignore_eos": True}})))
+    running.start()
+    deadline = time.monotonic() + 60
+    while not server.state.fleet.where and time.monotonic() < deadline:
+        time.sleep(0.05)
+    status, _ = call(server, "POST", "/sleep?level=1")  # vLLM's query form; mode defaults to abort
+    running.join(120)
+    try:
+        assert status == 200
+        status, r = out["r"]
+        assert status == 200 and r["choices"][0]["finish_reason"] == "abort"
+        assert len(r["choices"][0]["token_ids"]) < 400
+    finally:
+        assert call(server, "POST", "/wake_up")[0] == 200
+
+
+def test_pause_with_skyrl_json_body_waits_for_running_requests(server):
+    status, r = call(server, "POST", "/pause", {"wait_for_inflight_request": True})
+    try:
+        assert status == 200 and r["mode"] == "wait" and server.state.fleet.in_flight == 0
+    finally:
+        assert call(server, "POST", "/resume")[1] == {"status": "resumed", "paused": False}
