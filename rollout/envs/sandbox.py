@@ -198,6 +198,13 @@ def _kill_init(pid: int) -> None:
         os.close(fd)
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a future's outcome as seen: a cancelled gather holds a CancelledError that, never retrieved, is
+    logged with a traceback when the future is collected, at any later point of the program."""
+    if not future.cancelled():
+        future.exception()
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -253,6 +260,7 @@ async def run_python(
         assert process.stdin is not None and process.stdout is not None and process.stderr is not None
         out_capture, err_capture = _Capture(max_output_bytes + _HEADER_ROOM), _Capture(max_output_bytes)
         readers = asyncio.gather(out_capture.read(process.stdout), err_capture.read(process.stderr))
+        readers.add_done_callback(_retrieve)  # a cancelled gather otherwise logs "exception was never retrieved"
         timed_out = False
         try:
             try:
@@ -267,25 +275,32 @@ async def run_python(
             # pid 1 and wait for the call's process: it exits when the whole pid namespace is gone, so no
             # process of the code outlives the call, not even one that left the process group. Then (and
             # without the sandbox: only) the process group.
-            init = _init_pid(bytes(out_capture.kept[:_HEADER_ROOM])) if process.returncode is None else None
-            if init is not None:
-                _kill_init(init)
-                await _exited(process, _TEARDOWN_S)
-            _kill_group(process.pid)
-            # Bounded waits: without the sandbox, a process that left the group (setsid) and still holds the
-            # pipes must not hang the rollout. What was read so far is kept; the runaway keeps its rlimits.
             try:
-                await asyncio.wait_for(readers, _DRAIN_S)
-            except TimeoutError:
-                pass
-            if process.returncode is None:
+                init = _init_pid(bytes(out_capture.kept[:_HEADER_ROOM])) if process.returncode is None else None
+                if init is not None:
+                    _kill_init(init)
+                    await _exited(process, _TEARDOWN_S)
+                _kill_group(process.pid)
+                # Bounded waits: without the sandbox, a process that left the group (setsid) and still holds the
+                # pipes must not hang the rollout. What was read so far is kept; the runaway keeps its rlimits.
                 try:
-                    await asyncio.wait_for(process.wait(), _DRAIN_S)
+                    await asyncio.wait_for(readers, _DRAIN_S)
                 except TimeoutError:
                     pass
-            transport = getattr(process, "_transport", None)  # close our pipe ends now, not at GC time
-            if transport is not None:
-                transport.close()
+                if process.returncode is None:
+                    try:
+                        await asyncio.wait_for(process.wait(), _DRAIN_S)
+                    except TimeoutError:
+                        pass
+            finally:
+                # Even when a second cancellation ends the waits above (asyncio.run cancelling a gather's other
+                # runs): kill the group, and close our pipe ends now, while the loop runs. Left to the transport's
+                # __del__, the close runs after the loop closed and raises "Event loop is closed" (issue 23).
+                _kill_group(process.pid)
+                readers.cancel()
+                transport = getattr(process, "_transport", None)
+                if transport is not None:
+                    transport.close()
         out, out_dropped = bytes(out_capture.kept), out_capture.dropped
         err, err_dropped = bytes(err_capture.kept), err_capture.dropped
     header, _, out = out.partition(b"\n") if out.startswith(_HEADER) else (b"", b"", out)
