@@ -17,6 +17,7 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+from . import _ast_guard  # noqa: E402, F401  (ast.parse with the collector paused: see that module)
 from ._support import SMOLLM2, fixtures_dir, ours, reference, smollm2_gguf, tokenizer_dir
 
 
