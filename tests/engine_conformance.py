@@ -28,7 +28,8 @@ Timing assumption of the ``abort`` check: a generation of ``min(max_model_len - 
 ``ignore_eos`` must still be running a moment after it starts (a fast fake engine needs a per-token delay).
 
 The checks, in order: ``info``, ``greedy_determinism``, ``seeded_sampling``, ``max_tokens``, ``stop_tokens``,
-``logprobs``, ``n_completions``, ``abort``, ``bad_input``, ``weight_version``.
+``logprobs``, ``n_completions``, ``abort``, ``bad_input``, ``weight_version``, ``min_tokens``, ``top_logprobs``,
+``prompt_logprobs`` (an engine whose info() says it reports no alternatives / scores no prompts must refuse them).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from rollout.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     SamplingParams,
+    TokenLogprobs,
     close_backend,
     decode_request,
 )
@@ -371,6 +373,121 @@ async def check_weight_version(backend: EngineBackend) -> None:
     )
 
 
+async def _refused(backend: EngineBackend, request: GenerateRequest, word: str) -> None:
+    try:
+        await backend.generate(request)
+    except EngineError as exc:
+        assert word in str(exc), f"the refusal does not name {word!r}: {exc}"
+    else:
+        raise AssertionError(f"{request.request_id}: expected an EngineError naming {word!r}, the engine accepted it")
+
+
+async def check_min_tokens(backend: EngineBackend) -> None:
+    """With min_tokens = m, no stop id is sampled among the first m tokens (vLLM masks stop ids and EOS there):
+    a greedy run that stops at its stop id at position p runs past p when m > p, and agrees with the free run
+    before p; min_tokens > max_tokens is refused."""
+    info = backend.info()
+    eos = set(info.eos_token_ids)
+    for prompt in _prompts(info):
+        free = (await run_checked(backend, _request(prompt, tag="mt-free", max_tokens=12, ignore_eos=True))).results[0]
+        ids = free.completion_ids
+        p = 2
+        stop = ids[p]
+        if eos & set(ids[: p + 1]) or stop in ids[:p]:
+            continue
+        plain = (await run_checked(backend, _request(prompt, tag="mt-0", max_tokens=12, stop_token_ids=(stop,),
+                                                     min_tokens=0))).results[0]
+        assert plain.completion_ids == ids[: p + 1] and plain.finish_reason == "stop", "min_tokens=0 changed a stop"
+        req = _request(prompt, tag="mt", max_tokens=12, stop_token_ids=(stop,), min_tokens=p + 2)
+        r = (await run_checked(backend, req)).results[0]
+        got = r.completion_ids
+        assert got[:p] == ids[:p], f"min_tokens changed the tokens before the masked position: {got} vs {ids}"
+        assert not (set(got[: p + 2]) & ({stop} | eos)), f"a stop id among the first {p + 2} tokens: {got}"
+        assert len(got) > p + 2, f"min_tokens={p + 2} but {len(got)} tokens ({r.finish_reason})"
+        await _refused(backend, _request(prompt, tag="mt-bad", max_tokens=4, min_tokens=5), "min_tokens")
+        return
+    raise AssertionError("every probe prompt hit an eos id (or repeated its stop id) in its first 3 tokens")
+
+
+def _check_scores(s: TokenLogprobs, token: int, k: int, where: str) -> None:
+    assert len(s.top_ids) == len(s.top_logprobs) == k, f"{where}: {len(s.top_ids)} alternatives, asked {k}"
+    assert all(a >= b for a, b in zip(s.top_logprobs, s.top_logprobs[1:])), f"{where}: not most likely first"
+    assert s.rank >= 1 and s.logprob <= 1e-6, f"{where}: rank {s.rank}, logprob {s.logprob}"
+    if s.rank <= k and s.logprob > -math.inf:
+        assert abs(s.top_logprobs[s.rank - 1] - s.logprob) <= LOGPROB_ATOL, f"{where}: rank {s.rank} disagrees"
+    if token in s.top_ids:
+        assert abs(s.top_logprobs[s.top_ids.index(token)] - s.logprob) <= LOGPROB_ATOL, f"{where}: two logprobs"
+    above = sum(v > s.logprob + LOGPROB_ATOL for v in s.top_logprobs)
+    assert s.rank > above, f"{where}: rank {s.rank} but {above} listed tokens are more likely"
+
+
+async def check_top_logprobs(backend: EngineBackend) -> None:
+    """top_logprobs=k gives, per completion id, its rank and the k most likely tokens of the distribution its
+    logprob is of (greedy: the argmax first, rank 1; top_k=3 sampling: nothing past the 3rd is possible);
+    off by default; over info().max_logprobs refused."""
+    info = backend.info()
+    prompt = _prompt(info)
+    if info.max_logprobs == 0:
+        await _refused(backend, _request(prompt, tag="top-none", top_logprobs=1), "top_logprobs")
+        return
+    plain = (await run_checked(backend, _request(prompt, tag="top-off", max_tokens=4, ignore_eos=True))).results[0]
+    assert plain.top_logprobs is None, "top_logprobs returned without being asked"
+    k = min(5, info.max_logprobs)
+    r = (await run_checked(backend, _request(prompt, tag="top-greedy", max_tokens=8, ignore_eos=True, logprobs=True,
+                                             top_logprobs=k))).results[0]
+    assert r.top_logprobs is not None and len(r.top_logprobs) == len(r.completion_ids)
+    for i, (t, lp, s) in enumerate(zip(r.completion_ids, r.logprobs, r.top_logprobs)):
+        _check_scores(s, t, k, f"greedy token {i}")
+        assert s.top_ids[0] == t and s.rank == 1, f"greedy token {i}: {t} is not the most likely ({s})"
+        assert abs(s.logprob - lp) <= LOGPROB_ATOL, f"greedy token {i}: logprob {lp} vs scores {s.logprob}"
+    r = (await run_checked(backend, _request(prompt, tag="top-sampled", max_tokens=8, ignore_eos=True,
+                                             temperature=1.0, top_k=3, seed=5, logprobs=True,
+                                             top_logprobs=k))).results[0]
+    for i, (t, lp, s) in enumerate(zip(r.completion_ids, r.logprobs, r.top_logprobs)):
+        _check_scores(s, t, k, f"sampled token {i}")
+        assert t in s.top_ids[:3] and abs(s.logprob - lp) <= LOGPROB_ATOL, f"sampled token {i}: {t}, {lp}, {s}"
+        assert all(v == -math.inf for v in s.top_logprobs[3:]), f"sampled token {i}: top_k=3 let more through: {s}"
+    await _refused(backend, _request(prompt, tag="top-over", top_logprobs=info.max_logprobs + 1), "top_logprobs")
+
+
+async def check_prompt_logprobs(backend: EngineBackend) -> None:
+    """prompt_logprobs=k scores every prompt token given its prefix (the first: None): scoring a prompt
+    followed by a greedy completion gives back the completion's own logprobs, and the same scores when the
+    prompt extends a session the engine holds KV for."""
+    info = backend.info()
+    prompt = _prompt(info)
+    if not info.scores_prompts:
+        await _refused(backend, _request(prompt, tag="pl-none", prompt_logprobs=0), "prompt_logprobs")
+        return
+    greedy = (await run_checked(backend, _request(prompt, tag="pl-greedy", max_tokens=6, ignore_eos=True,
+                                                  logprobs=True))).results[0]
+    full = prompt + greedy.completion_ids
+    k = min(2, info.max_logprobs)
+    out = await run_checked(backend, _request(full, tag="pl", max_tokens=1, ignore_eos=True, prompt_logprobs=k))
+    scores = out.prompt_logprobs
+    assert scores is not None and len(scores) == len(full) and scores[0] is None, "one entry per prompt token"
+    for i in range(1, len(full)):
+        _check_scores(scores[i], full[i], k, f"prompt token {i}")
+    got = [s.logprob for s in scores[len(prompt):]]
+    diff = max(abs(a - b) for a, b in zip(got, greedy.logprobs))
+    assert diff <= LOGPROB_ATOL, f"prompt scores of the greedy completion differ from its logprobs by {diff}"
+    assert all(s.rank == 1 for s in scores[len(prompt):]), "a greedy token scored below rank 1"
+    sid = _rid("pl-session")
+    first = GenerateRequest(_rid("pl-turn1"), list(prompt), SamplingParams(max_tokens=3, temperature=0.0,
+                                                                            ignore_eos=True), session_id=sid)
+    turn1 = (await run_checked(backend, first)).results[0]
+    extended = prompt + turn1.completion_ids + greedy.completion_ids[:2]
+    second = GenerateRequest(_rid("pl-turn2"), extended, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                         ignore_eos=True, prompt_logprobs=k),
+                             session_id=sid)
+    cached = await run_checked(backend, second)
+    fresh = await run_checked(backend, _request(extended, tag="pl-fresh", max_tokens=1, ignore_eos=True,
+                                                prompt_logprobs=k))
+    a = [s.logprob for s in cached.prompt_logprobs[1:]]
+    b = [s.logprob for s in fresh.prompt_logprobs[1:]]
+    assert max(abs(x - y) for x, y in zip(a, b)) <= LOGPROB_ATOL, "a session's cached prefix changed the scores"
+
+
 CONFORMANCE_CHECKS: dict[str, ConformanceCheck] = {
     "info": check_info,
     "greedy_determinism": check_greedy_determinism,
@@ -382,6 +499,9 @@ CONFORMANCE_CHECKS: dict[str, ConformanceCheck] = {
     "abort": check_abort,
     "bad_input": check_bad_input,
     "weight_version": check_weight_version,
+    "min_tokens": check_min_tokens,
+    "top_logprobs": check_top_logprobs,
+    "prompt_logprobs": check_prompt_logprobs,
 }
 
 

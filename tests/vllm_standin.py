@@ -136,7 +136,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = 16
+    min_tokens: int = 0  # accepted, not honoured: the stand-in's "model" is a hash (tests/test_vllm_real.py runs it)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # accepted; the stand-in scores nothing (RequestOutput.prompt_logprobs None)
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 

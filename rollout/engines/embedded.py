@@ -18,6 +18,10 @@ So a request never waits for another to finish: it joins at the next step and le
 Contracts (tests/test_embedded_engine.py checks each with the real model): sampled-token logprobs match
 a separate full forward pass within 1e-4 (fp32); greedy results are deterministic and independent of the
 batch they ran in; seeded sampling reproduces; a session's next turn prefills only its new tokens.
+On request (vLLM's options, tests/test_serve_logprobs.py): ``min_tokens`` masks the stop ids and EOS until
+that many tokens are sampled; ``top_logprobs`` adds the most likely tokens of the distribution each token
+was sampled from; ``prompt_logprobs`` scores the prompt from the prefill's logits (such a prompt is
+prefilled whole, not from its session's KV: cached positions have no logits).
 """
 
 from __future__ import annotations
@@ -32,7 +36,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .embedded_kv import BatchKV, SamplerRow, SessionKV, SessionStore, register_attention, sample
+from .embedded_kv import (
+    BatchKV,
+    SamplerRow,
+    SessionKV,
+    SessionStore,
+    prompt_scores,
+    register_attention,
+    sample,
+)
 from .protocol import (
     EngineError,
     EngineInfo,
@@ -40,6 +52,7 @@ from .protocol import (
     GenerateRequest,
     GenerateResult,
     Timings,
+    TokenLogprobs,
     validate_request,
 )
 from .streaming import Listener, StreamDelta, stream_with_listener
@@ -55,6 +68,7 @@ class _Seq:
     generator: torch.Generator | None
     fed: int = 0  # tokens whose KV is in the row (tokens[fed] is the next input)
     logprobs: list[float] = field(default_factory=list)
+    tops: list[TokenLogprobs] = field(default_factory=list)  # sampling.top_logprobs > 0: one per token
     finalizing: bool = False  # finished; kept one step to write its last token's KV for the session
     streamed: int = 0  # completion tokens already told to the request's listener (generate_stream)
 
@@ -70,6 +84,7 @@ class _Req:
     prefill_end: float = 0.0
     cached: int = 0
     listener: Listener | None = None  # generate_stream's: told the new tokens after each step
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # sampling.prompt_logprobs: scored at prefill
 
     @property
     def prompt_len(self) -> int:
@@ -314,7 +329,8 @@ class EmbeddedEngine:
             if listener is not None:
                 done = len(seq.tokens) - seq.req.prompt_len
                 if done > seq.streamed:
-                    listener(seq.index, seq.tokens[seq.req.prompt_len + seq.streamed:], seq.logprobs[seq.streamed:done])
+                    listener(seq.index, seq.tokens[seq.req.prompt_len + seq.streamed:], seq.logprobs[seq.streamed:done],
+                             seq.tops[seq.streamed:done] if seq.req.request.sampling.top_logprobs else None)
                     seq.streamed = done
 
     def _session_busy(self, session_id: str | None) -> bool:
@@ -325,7 +341,8 @@ class EmbeddedEngine:
     def _resolve(self, req: _Req) -> None:
         self._by_id.pop(req.request.request_id, None)
         if not req.future.done():
-            req.future.set_result(GenerateOutput(req.request.request_id, req.prompt_len, list(req.results)))
+            req.future.set_result(GenerateOutput(req.request.request_id, req.prompt_len, list(req.results),
+                                                 req.prompt_logprobs))
 
     def _fail_all(self, message: str, admitted: list[_Req]) -> list[_Req]:
         reqs = {id(s.req): s.req for s in self._running}
@@ -388,7 +405,9 @@ class EmbeddedEngine:
         prompt = r.prompt_ids
         req.admitted = time.perf_counter()
         cached = None
-        if r.session_id is not None:
+        # a prompt to score is prefilled whole: cached KV has no logits to score its tokens with (vLLM, too,
+        # skips its prefix cache for such requests); the session's entry stays for its next turn
+        if r.session_id is not None and r.sampling.prompt_logprobs is None:
             entry = self.sessions.take(r.session_id)
             # the prompt must extend the cached tokens; at least one token is prefilled to get logits
             held = len(entry.token_ids) if entry is not None else 0
@@ -406,7 +425,8 @@ class EmbeddedEngine:
     def _forward(self, n_decode: int, joining: list[tuple[_Req, int, int]]) -> None:
         """One packed forward: the next token of each of the first ``n_decode`` rows (a finalizing row
         feeds its last sampled token, to complete its KV), then the uncached prompt tokens of each joining
-        request. Logits are computed only where a token is sampled next."""
+        request. Logits are computed only where a token is sampled next, and over the whole prompt of a
+        request that asked for prompt_logprobs."""
         decoding = self._running[:n_decode]
         ids = [s.tokens[s.fed] for s in decoding]
         segments = []
@@ -414,7 +434,14 @@ class EmbeddedEngine:
             ids += req.request.prompt_ids[reuse:]
             segments.append((row, reuse, req.prompt_len - reuse))
         plan = self.kv.plan_step([s.fed for s in decoding], segments)
-        keep = list(range(n_decode)) + [start + length - 1 for _, _, length, start in plan.segments]
+        # logits where a token is sampled next; a prompt to score keeps every one of its positions
+        keep, last = list(range(n_decode)), []
+        for (req, _, _), (_, _, length, start) in zip(joining, plan.segments):
+            if req.request.sampling.prompt_logprobs is not None:
+                keep += range(start, start + length)
+            else:
+                keep.append(start + length - 1)
+            last.append(len(keep) - 1)
         t0 = time.perf_counter()
         out = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=plan.positions[None],
                          cache=self.kv, use_cache=True, logits_to_keep=torch.tensor(keep, device=self.device))
@@ -438,18 +465,28 @@ class EmbeddedEngine:
             if req.request.session_id is not None and n > 1:  # every completion extends the prompt: keep it
                 self.sessions.put(req.request.session_id,
                                   SessionKV(list(req.request.prompt_ids), self.kv.read_row(row, req.prompt_len)))
-            self._accept(seqs, logits[n_decode + j].expand(n, -1))
+            if req.request.sampling.prompt_logprobs is not None:  # its whole prompt was prefilled (reuse 0)
+                req.prompt_logprobs = prompt_scores(logits[last[j] - req.prompt_len + 1: last[j] + 1],
+                                                    req.request.prompt_ids, req.request.sampling.prompt_logprobs)
+            self._accept(seqs, logits[last[j]].expand(n, -1))
 
     def _accept(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         """Sample one token per sequence and finish those that hit a stop id or their token budget."""
-        rows = [SamplerRow(s.req.request.sampling.temperature, s.req.request.sampling.top_p,
-                           s.req.request.sampling.top_k, s.generator) for s in seqs]
-        tokens, lps = sample(logits, rows)
+        rows = []
+        for s in seqs:
+            sp = s.req.request.sampling
+            masked = ()
+            if len(s.tokens) - s.req.prompt_len < sp.min_tokens:  # vLLM's min_tokens: no stop id or EOS yet
+                masked = tuple(dict.fromkeys([*self._eos, *(() if sp.ignore_eos else sp.stop_token_ids)]))
+            rows.append(SamplerRow(sp.temperature, sp.top_p, sp.top_k, s.generator, sp.top_logprobs, masked))
+        tokens, lps, tops = sample(logits, rows)
         self.stats["decode_tokens"] += len(seqs)
-        for seq, tok, lp in zip(seqs, tokens, lps):
+        for seq, tok, lp, top in zip(seqs, tokens, lps, tops):
             sp = seq.req.request.sampling
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
+            if top is not None:
+                seq.tops.append(top)
             if not sp.ignore_eos and tok in sp.stop_token_ids:
                 self._finish(seq, "stop", tok)
             elif len(seq.tokens) - seq.req.prompt_len >= sp.max_tokens:
@@ -457,7 +494,8 @@ class EmbeddedEngine:
 
     def _finish(self, seq: _Seq, reason: str, stop_id: int | None) -> None:
         req = seq.req
-        req.results[seq.index] = self._result(req, seq.tokens[req.prompt_len :], seq.logprobs, reason, stop_id)
+        req.results[seq.index] = self._result(req, seq.tokens[req.prompt_len :], seq.logprobs, reason, stop_id,
+                                              tops=seq.tops)
         seq.finalizing = True
 
     def _retire(self) -> None:
@@ -495,7 +533,7 @@ class EmbeddedEngine:
         return g
 
     def _result(self, req: _Req, completion: list[int], logprobs: list[float], reason: str,
-                stop_id: int | None, error: str | None = None) -> GenerateResult:
+                stop_id: int | None, error: str | None = None, tops: list[TokenLogprobs] = ()) -> GenerateResult:
         now = time.perf_counter()
         admitted = req.admitted or now
         return GenerateResult(
@@ -508,4 +546,5 @@ class EmbeddedEngine:
             timings=Timings(queue_s=admitted - req.arrival, prefill_s=req.prefill_s,
                             decode_s=max(0.0, now - req.prefill_end) if req.prefill_end else 0.0),
             error=error,
+            top_logprobs=list(tops) if req.request.sampling.top_logprobs else None,
         )

@@ -11,7 +11,8 @@ Kept apart from the scheduler (embedded.py) so that each piece states one contra
   admitting a request costs no extra pass over the weights (on a CPU a pass is bound by reading them).
 - :class:`SessionStore` — KV kept after a request finishes, keyed by session id, LRU-bounded by bytes.
 - :func:`sample` — temperature / top-k / top-p with a per-sequence ``torch.Generator``; the logprob
-  returned is that of the distribution actually sampled from.
+  returned is that of the distribution actually sampled from (and, on request, the most likely tokens of
+  that same distribution); :func:`prompt_scores` — vLLM's prompt_logprobs from a prefill's logits.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .protocol import TokenLogprobs
 
 _CURRENT = threading.local()  # the BatchKV whose step the calling (engine worker) thread is running
 
@@ -233,6 +236,16 @@ class SamplerRow:
     top_p: float
     top_k: int
     generator: torch.Generator | None  # None only for greedy rows
+    top_logprobs: int = 0  # report this many most likely tokens (and the sampled one's rank)
+    masked: tuple[int, ...] = ()  # ids that may not be sampled now (min_tokens: the stop ids and EOS)
+
+
+def top_scores(logp: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """A position's scores from its log-probs ``[vocab]``: ``token``'s logprob and rank (vLLM's count: the
+    tokens at least as likely) and the ``k`` most likely tokens."""
+    lp = logp[token]
+    values, ids = torch.topk(logp, k) if k else (logp[:0], logp[:0].long())
+    return TokenLogprobs(float(lp), int((logp >= lp).sum()), ids.tolist(), values.tolist())
 
 
 def processed_log_softmax(
@@ -261,29 +274,42 @@ def processed_log_softmax(
     return torch.log_softmax(x, dim=-1)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[float]]:
-    """One token per row of ``logits`` ``[m, vocab]`` (fp32) and its logprob.
+def sample(logits: torch.Tensor, rows: list[SamplerRow]
+           ) -> tuple[list[int], list[float], list[TokenLogprobs | None]]:
+    """One token per row of ``logits`` ``[m, vocab]`` (fp32), its logprob, and (rows with ``top_logprobs``)
+    its :func:`top_scores` from the same distribution.
 
     Greedy rows (temperature 0) take the argmax (first index on ties) and report the raw log_softmax.
     Other rows scale by 1/temperature, keep the top-k logits, then the smallest set of tokens whose
     probability reaches top_p (the most likely token always stays), and draw from the renormalized
     distribution with their own generator; the logprob is the log_softmax of that filtered distribution,
     i.e. the one actually sampled from. A row's draw depends only on its logits and its generator, so a
-    seeded request reproduces regardless of what else is in the batch.
+    seeded request reproduces regardless of what else is in the batch. A row's ``masked`` ids get -inf
+    logits first (vLLM's min_tokens does the same), so they are never sampled and the logprobs reported are
+    of the masked distribution.
     """
     m, vocab = logits.shape
     tokens = [0] * m
     lps = [0.0] * m
+    tops: list[TokenLogprobs | None] = [None] * m
+    if any(r.masked for r in rows):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.masked:
+                logits[i, list(r.masked)] = float("-inf")
     greedy = [i for i, r in enumerate(rows) if r.temperature == 0]
     if greedy:
         g_logits = logits[greedy]
         g_tok = g_logits.argmax(dim=-1)
-        g_lp = torch.log_softmax(g_logits, dim=-1).gather(1, g_tok[:, None])[:, 0]
+        g_logp = torch.log_softmax(g_logits, dim=-1)
+        g_lp = g_logp.gather(1, g_tok[:, None])[:, 0]
         for j, i in enumerate(greedy):
             tokens[i], lps[i] = int(g_tok[j]), float(g_lp[j])
+            if rows[i].top_logprobs:
+                tops[i] = top_scores(g_logp[j], tokens[i], rows[i].top_logprobs)
     rest = [i for i, r in enumerate(rows) if r.temperature != 0]
     if not rest:
-        return tokens, lps
+        return tokens, lps, tops
     logp = processed_log_softmax(
         logits[rest], [rows[i].temperature for i in rest], [rows[i].top_k for i in rest], [rows[i].top_p for i in rest]
     )
@@ -291,4 +317,22 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], lis
     for j, i in enumerate(rest):
         tok = int(torch.multinomial(probs[j], 1, generator=rows[i].generator))
         tokens[i], lps[i] = tok, float(logp[j, tok])
-    return tokens, lps
+        if rows[i].top_logprobs:
+            tops[i] = top_scores(logp[j], tok, rows[i].top_logprobs)
+    return tokens, lps, tops
+
+
+def prompt_scores(logits: torch.Tensor, prompt: list[int], k: int) -> list[TokenLogprobs | None]:
+    """vLLM's prompt_logprobs: ``logits`` ``[len(prompt), vocab]`` are the model's outputs at each prompt
+    position; token ``i`` is scored by the raw log-softmax at position ``i - 1`` (no temperature or filter:
+    vLLM scores prompts before its sampler). The first token has no prefix: None."""
+    out: list[TokenLogprobs | None] = [None]
+    for start in range(0, len(prompt) - 1, 256):  # bounded temporaries for long prompts
+        logp = torch.log_softmax(logits[start: min(start + 256, len(prompt) - 1)].float(), dim=-1)
+        targets = torch.tensor(prompt[start + 1: start + 1 + logp.shape[0]], device=logp.device)
+        lps = logp.gather(1, targets[:, None])
+        ranks = (logp >= lps).sum(dim=1).tolist()
+        values, ids = torch.topk(logp, k, dim=1)
+        out += [TokenLogprobs(lp, rank, top_ids, top_lps) for lp, rank, top_ids, top_lps
+                in zip(lps[:, 0].tolist(), ranks, ids.tolist(), values.tolist())]
+    return out

@@ -5,6 +5,12 @@ is required: no engine-side default silently truncates a turn); a result carries
 each sampled token's logprob under the distribution actually sampled from (after temperature and
 top-k/top-p), why generation ended, and what the engine reused from its cache.
 
+On request it also carries, as vLLM does: the ``top_logprobs`` most likely tokens at each sampled
+position (from the same distribution as the sampled token's logprob) with the sampled token's rank, and
+``prompt_logprobs``, the score of each prompt token given its prefix (raw log-softmax of the model's
+logits, as vLLM scores prompts). ``min_tokens`` keeps stop ids and EOS from being sampled before that many
+tokens (they are masked out of the distribution, so the reported logprobs are of the masked one).
+
 Every backend (embedded torch, vLLM, replay) implements :class:`EngineBackend` and passes the
 conformance suite in tests/engine_conformance.py.
 """
@@ -36,6 +42,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # below this a temperature makes logits / temperature overflow float32 to inf (NaN probabilities);
 # vLLM clamps such values up to 1e-2, here they are refused so what is sampled is what was asked
 MIN_TEMPERATURE = 1e-2
+# the most alternatives per position a request may ask for (top_logprobs, prompt_logprobs): vLLM's default
+# max_logprobs, and the most OpenAI's chat API accepts
+MAX_LOGPROBS = 20
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -48,6 +57,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logprobs: bool = True  # return the sampled tokens' logprobs
     ignore_eos: bool = False  # keep sampling through stop ids (benchmarks)
     n: int = 1  # completions per request (each is one GenerateResult in GenerateOutput.results)
+    min_tokens: int = 0  # stop ids and EOS are masked out until this many tokens are sampled
+    top_logprobs: int = 0  # this many most likely tokens per sampled position, with the sampled one's rank
+    prompt_logprobs: int | None = None  # score the prompt: each token's logprob given its prefix, + k alternatives
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -63,6 +75,17 @@ class Timings(msgspec.Struct):
     decode_s: float = 0.0
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """The scores at one position: the token's logprob and its rank (as vLLM counts it: the number of tokens
+    at least as likely, so the most likely token has rank 1), then the ``k`` most likely tokens there, most
+    likely first, with their logprobs (-inf for a token the sampler's filters removed)."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class GenerateResult(msgspec.Struct):
     completion_ids: list[int]
     logprobs: list[float] | None  # float32 values, one per completion id
@@ -72,12 +95,16 @@ class GenerateResult(msgspec.Struct):
     weight_version: int = 0
     timings: Timings = msgspec.field(default_factory=Timings)
     error: str | None = None  # set when finish_reason == "error"
+    # sampling.top_logprobs > 0: one entry per completion id, from the distribution ``logprobs`` is of
+    top_logprobs: list[TokenLogprobs] | None = None
 
 
 class GenerateOutput(msgspec.Struct):
     request_id: str
     prompt_len: int
     results: list[GenerateResult]  # n entries
+    # sampling.prompt_logprobs set: one entry per prompt token, the first None (nothing precedes it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class EngineInfo(msgspec.Struct):
@@ -87,6 +114,8 @@ class EngineInfo(msgspec.Struct):
     max_model_len: int
     weight_version: int
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    max_logprobs: int = MAX_LOGPROBS  # the most top_logprobs / prompt_logprobs alternatives it reports; 0: none
+    scores_prompts: bool = True  # whether it computes prompt_logprobs (a model forward over the prompt)
 
 
 @runtime_checkable
@@ -148,6 +177,16 @@ def validate_request(request: GenerateRequest, info: EngineInfo) -> None:
     if s.seed is not None and not INT64_MIN <= s.seed <= INT64_MAX:
         raise EngineError(f"request {request.request_id}: seed must fit in a signed 64-bit integer, got {s.seed}",
                           "seed")
+    if not 0 <= s.min_tokens <= s.max_tokens:
+        raise EngineError(f"request {request.request_id}: min_tokens must be in [0, max_tokens={s.max_tokens}], "
+                          f"got {s.min_tokens}", "min_tokens")
+    for name, k in (("top_logprobs", s.top_logprobs), ("prompt_logprobs", s.prompt_logprobs or 0)):
+        if not 0 <= k <= info.max_logprobs:
+            raise EngineError(f"request {request.request_id}: {name} must be in [0, {info.max_logprobs}] on this "
+                              f"{info.backend} engine, got {k}", name)
+    if s.prompt_logprobs is not None and not info.scores_prompts:
+        raise EngineError(f"request {request.request_id}: prompt_logprobs: the {info.backend} engine does not "
+                          "score prompts (it runs no model)", "prompt_logprobs")
     bad_stop = next((t for t in s.stop_token_ids if t < 0 or t >= info.vocab_size), None)
     if bad_stop is not None:
         raise EngineError(f"request {request.request_id}: stop token id {bad_stop} is outside the vocabulary",

@@ -21,6 +21,11 @@ Contract:
 * Tokens are emitted one at a time, sleeping ``token_delay_s`` per token (0 by default: no pacing, but the loop
   is still yielded to between tokens), so :meth:`ReplayEngine.abort` interrupts a running request (finish "abort"
   with the tokens emitted so far); set a delay to make a request last long enough to abort reliably.
+* ``min_tokens``: a synthetic completion draws again (the next hash) where it would sample a stop id or EOS too
+  early, as a masked sampler would; a recorded completion that stops before ``min_tokens`` was not sampled under
+  that setting, so it is refused with :class:`EngineError`. There is no model to score alternatives or prompts:
+  :meth:`ReplayEngine.info` reports ``max_logprobs=0`` and ``scores_prompts=False``, so ``top_logprobs`` and
+  ``prompt_logprobs`` are refused by ``validate_request`` with a message naming them.
 * Results carry the engine's current ``weight_version`` (set by :meth:`update_weights`, which accepts any path and
   reads nothing) and ``cached_prompt_tokens=0``.
 """
@@ -188,6 +193,8 @@ class ReplayEngine:
             max_model_len=self._max_model_len,
             weight_version=self._version,
             eos_token_ids=list(self._eos),
+            max_logprobs=0,  # recorded logprobs only: no distribution to list alternatives from
+            scores_prompts=False,
         )
 
     async def update_weights(self, path: str, version: int) -> None:
@@ -286,6 +293,10 @@ class ReplayEngine:
             if running.listener is not None:
                 running.listener(running.index, [t], lps[-1:])
             if t in stops:
+                if len(ids) <= s.min_tokens:  # a stop among the first min_tokens tokens: masked there
+                    raise EngineError(f"request {request.request_id}: the recorded completion stops after "
+                                      f"{len(ids) - 1} tokens, fewer than min_tokens={s.min_tokens}: it was not "
+                                      "sampled with that setting", "min_tokens")
                 finish, stop_id = "stop", t
                 break
         if rec.logprobs is None or not s.logprobs:
@@ -297,6 +308,7 @@ class ReplayEngine:
     async def _synthesize(self, request: GenerateRequest, key: bytes, stream: int, running: _Running) -> GenerateResult:
         s = request.sampling
         stops = set() if s.ignore_eos else set(s.stop_token_ids)
+        held = set(self._eos) | stops  # what min_tokens keeps from being sampled early
         room = self._max_model_len - len(request.prompt_ids)
         ids: list[int] = []
         lps: list[float] = []
@@ -308,6 +320,10 @@ class ReplayEngine:
                 finish = "abort"
                 break
             t, lp = synthetic_token(key, stream, i, self._vocab_size)
+            redraw = 0
+            while i < s.min_tokens and t in held:  # masked: the next hash of this position instead
+                redraw += 1
+                t, lp = synthetic_token(key + redraw.to_bytes(4, "little"), stream, i, self._vocab_size)
             ids.append(t)
             lps.append(lp)
             if running.listener is not None:

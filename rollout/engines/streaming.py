@@ -17,22 +17,28 @@ from typing import Any
 
 import msgspec
 
-from .protocol import GenerateOutput, GenerateRequest
+from .protocol import GenerateOutput, GenerateRequest, TokenLogprobs
 
-Listener = Callable[[int, list[int], list[float]], None]
+# listener(index, new ids, their logprobs, their top logprobs or None): called on the event loop as tokens come
+Listener = Callable[..., None]
 
 
 class StreamDelta(msgspec.Struct):
     index: int  # which of the request's n completions
     token_ids: list[int]
     logprobs: list[float] | None = None
+    top_logprobs: list[TokenLogprobs] | None = None  # sampling.top_logprobs > 0
 
 
 async def stream_with_listener(run: Callable[[Listener], Awaitable[GenerateOutput]]) -> AsyncIterator[Any]:
-    """Turn a generate that calls ``listener(index, ids, logprobs)`` as it samples (on the event loop)
-    into a stream: deltas as they come (coalesced when several arrived at once), then the output."""
+    """Turn a generate that calls ``listener(index, ids, logprobs[, top_logprobs])`` as it samples (on the
+    event loop) into a stream: deltas as they come (coalesced when several arrived at once), then the output."""
     queue: asyncio.Queue = asyncio.Queue()
-    task = asyncio.ensure_future(run(lambda i, ids, lps: queue.put_nowait(StreamDelta(i, list(ids), list(lps)))))
+
+    def listener(i: int, ids: list[int], lps: list[float], tops: list[TokenLogprobs] | None = None) -> None:
+        queue.put_nowait(StreamDelta(i, list(ids), list(lps), None if tops is None else list(tops)))
+
+    task = asyncio.ensure_future(run(listener))
     task.add_done_callback(lambda _: queue.put_nowait(None))
     try:
         while True:
@@ -49,6 +55,8 @@ async def stream_with_listener(run: Callable[[Listener], Awaitable[GenerateOutpu
                     merged[-1].token_ids += nxt.token_ids
                     if merged[-1].logprobs is not None and nxt.logprobs is not None:
                         merged[-1].logprobs += nxt.logprobs
+                    if merged[-1].top_logprobs is not None and nxt.top_logprobs is not None:
+                        merged[-1].top_logprobs += nxt.top_logprobs
                 else:
                     merged.append(nxt)
             for delta in merged:

@@ -10,8 +10,9 @@ What it sends to vLLM (see docs/engines.md and the vLLM 0.33 notes):
 * Engine: ``AsyncEngineArgs(skip_tokenizer_init=True, enable_prefix_caching=True, max_logprobs>=1,
   logprobs_mode="processed_logprobs", ...)`` — no tokenizer, so no text anywhere; logprobs are those of the
   distribution actually sampled from (after temperature / top-k / top-p).
-* Every request: ``SamplingParams(n, temperature, top_p, top_k, seed, max_tokens, stop_token_ids,
-  ignore_eos, logprobs=0 | None, detokenize=False, output_kind=FINAL_ONLY)`` with explicit ``max_tokens`` and
+* Every request: ``SamplingParams(n, temperature, top_p, top_k, seed, max_tokens, min_tokens, stop_token_ids,
+  ignore_eos, logprobs=top_logprobs | 0 | None, prompt_logprobs, detokenize=False, output_kind=FINAL_ONLY)``
+  (``max_logprobs`` is raised to the protocol's MAX_LOGPROBS, 20) with explicit ``max_tokens`` and
   ``stop_token_ids`` (``ignore_eos=True`` sends no stop ids: the protocol's ignore_eos samples through all of
   them), and the prompt as ``tokens_input(ids, cache_salt="tito-w<version>")``: prefix caching is salted by the
   weight version, so KV computed under old weights is never reused.
@@ -29,7 +30,9 @@ What it sends to vLLM (see docs/engines.md and the vLLM 0.33 notes):
   copying is also exact where batched kernels are not).
 * Results: ``finish_reason`` "stop" | "length" | "abort" | "error" pass through ("repetition" maps to "stop"),
   an int ``stop_reason`` becomes ``stop_token_id`` (vLLM includes the stop token in ``token_ids``),
-  ``logprobs[i][token_ids[i]].logprob`` becomes the float logprob, ``num_cached_tokens`` becomes
+  ``logprobs[i][token_ids[i]].logprob`` becomes the float logprob (with ``top_logprobs``, the sampled token's
+  ``rank`` and the dict's other entries, in rank order, become ``TokenLogprobs``; ``RequestOutput.prompt_logprobs``
+  the same way), ``num_cached_tokens`` becomes
   ``cached_prompt_tokens``. vLLM's client errors (``VLLMClientError``, and ``ValueError``) become
   :class:`EngineError` carrying vLLM's message and parameter; any other engine exception becomes results with
   finish "error" and the message in ``error``.
@@ -48,6 +51,7 @@ from typing import Any, Literal
 import msgspec
 
 from rollout.engines.protocol import (
+    MAX_LOGPROBS,
     EngineError,
     EngineInfo,
     FinishReason,
@@ -55,6 +59,7 @@ from rollout.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     Timings,
+    TokenLogprobs,
     validate_request,
 )
 
@@ -243,7 +248,7 @@ class VLLMEngine:
         kwargs.update(extra)
         kwargs.update(_FORCED_ARGS)
         kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)  # refreshes a tied lm_head after each reload
-        kwargs["max_logprobs"] = max(1, int(kwargs.get("max_logprobs") or 1))
+        kwargs["max_logprobs"] = max(MAX_LOGPROBS, int(kwargs.get("max_logprobs") or MAX_LOGPROBS))
 
         self._SamplingParams = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
@@ -305,9 +310,11 @@ class VLLMEngine:
             top_k=s.top_k if s.top_k > 0 else 0,
             seed=s.seed,
             max_tokens=s.max_tokens,
+            min_tokens=s.min_tokens,
             stop_token_ids=[] if s.ignore_eos else list(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
-            logprobs=0 if s.logprobs else None,
+            logprobs=s.top_logprobs if s.top_logprobs else (0 if s.logprobs else None),
+            prompt_logprobs=s.prompt_logprobs,
             detokenize=False,
             output_kind=self._final_only,
         )
@@ -359,7 +366,12 @@ class VLLMEngine:
                                                 logprobs=None if results[0].logprobs is None
                                                 else list(results[0].logprobs))
                         for _ in range(request.sampling.n - 1)]
-        return GenerateOutput(request_id=rid, prompt_len=len(request.prompt_ids), results=results)
+        prompt_scores = None
+        if request.sampling.prompt_logprobs is not None and getattr(final, "prompt_logprobs", None) is not None:
+            prompt_scores = [None if pos is None else _scores(pos, t, request.sampling.prompt_logprobs)
+                             for pos, t in zip(final.prompt_logprobs, request.prompt_ids)]
+        return GenerateOutput(request_id=rid, prompt_len=len(request.prompt_ids), results=results,
+                              prompt_logprobs=prompt_scores)
 
     async def abort(self, request_id: str) -> bool:
         if self._waiting.get(request_id) is False:  # held at the gate: it finishes "abort" without reaching vLLM
@@ -479,9 +491,11 @@ class VLLMEngine:
             and ids[-1] in set(request.sampling.stop_token_ids) | set(self._eos)
         ):
             stop_id = ids[-1]
-        logprobs = None
+        logprobs = tops = None
         if request.sampling.logprobs and c.logprobs is not None:
             logprobs = [float(_sampled_logprob(c.logprobs[i], t)) for i, t in enumerate(ids)]
+        if request.sampling.top_logprobs and c.logprobs is not None:
+            tops = [_scores(c.logprobs[i], t, request.sampling.top_logprobs) for i, t in enumerate(ids)]
         return GenerateResult(
             completion_ids=ids,
             logprobs=logprobs,
@@ -491,6 +505,7 @@ class VLLMEngine:
             weight_version=version,
             timings=Timings(decode_s=elapsed),
             error=None if finish != "error" else f"vLLM finished with {c.finish_reason!r}",
+            top_logprobs=tops,
         )
 
     def _empty_output(
@@ -504,6 +519,17 @@ class VLLMEngine:
             for _ in range(request.sampling.n)
         ]
         return GenerateOutput(request_id=request.request_id, prompt_len=len(request.prompt_ids), results=results)
+
+
+def _scores(position: Mapping[int, Any], token: int, k: int) -> TokenLogprobs:
+    """One position of vLLM's logprobs as TokenLogprobs. vLLM's dict is ``{id: Logprob}``: the sampled (or
+    prompt) token first with its rank, then the top-``k`` with ranks 1..k; when the token is one of the top-k,
+    the dict holds k entries, the token first (with its top-k rank)."""
+    entry = position[token]
+    items = list(position.items())
+    top = items[1:] if len(items) > k else sorted(items, key=lambda item: item[1].rank or 0)
+    return TokenLogprobs(float(entry.logprob), int(entry.rank or 0), [int(tid) for tid, _ in top],
+                         [float(lp.logprob) for _, lp in top])
 
 
 def _sampled_logprob(position: Mapping[int, Any] | Iterable[Any], token: int) -> float:
