@@ -28,15 +28,14 @@ from . import admin, calls
 from .calls import ClientGone, error_response, json_response, root_cause
 from .chat_session import SESSION_END, end_session, evict_over_budget
 from .fleet import DuplicateRequest, EngineUnavailable
-from .openai_routes import chat_completions, completions, detokenize, tokenize
+from .logprobs import generate_extras, generate_logprobs, prompt_logprobs
+from .openai_routes import chat_completions, completions, detokenize, token_decoder, tokenize
 from .schemas import (
     AbortBody,
     BadRequest,
-    ChoiceLogprobs,
     GenerateBody,
     GenerateChoice,
     GenerateResponse,
-    TokenLogprob,
     check_unsupported,
     decode,
     struct_values,
@@ -82,7 +81,8 @@ async def generate(state: ServerState, request: Request) -> Response:
     try:
         sampling = calls.sampling(state, len(body.token_ids), sp.max_tokens, temperature=sp.temperature,
                                   top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed, n=sp.n,
-                                  stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos)
+                                  stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
+                                  **generate_extras(state, sp))
     except BadRequest as exc:
         raise BadRequest(str(exc), f"sampling_params.{exc.param}" if exc.param else None) from None
     # the salt keys the engine's session KV too: requests sharing a salt share their prefix cache
@@ -94,7 +94,7 @@ async def generate(state: ServerState, request: Request) -> Response:
     for i, r in enumerate(out.results):
         lps = None
         if want_lp and r.logprobs is not None:
-            lps = ChoiceLogprobs([TokenLogprob(t, lp, f"token_id:{t}") for t, lp in zip(r.completion_ids, r.logprobs)])
+            lps = generate_logprobs(r.completion_ids, r.logprobs, r.top_logprobs, sp.logprobs)
         choices.append(GenerateChoice(index=i, token_ids=r.completion_ids, logprobs=lps, finish_reason=r.finish_reason,
                                       stop_reason=calls.stop_token_reason(state, r),
                                       weight_versions=weight_spans(r.weight_version, len(r.completion_ids))))
@@ -103,7 +103,8 @@ async def generate(state: ServerState, request: Request) -> Response:
     resp = GenerateResponse(request_id=rid, model=state.model_names[0], created=int(time.time()), choices=choices,
                             prompt_token_ids=body.token_ids,
                             usage=calls.usage(len(body.token_ids), completion, cached),
-                            metrics=calls.timing(out, call_s))
+                            metrics=calls.timing(out, call_s),
+                            prompt_logprobs=prompt_logprobs(token_decoder(state), body.token_ids, out.prompt_logprobs))
     return _json(resp)
 
 

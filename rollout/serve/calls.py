@@ -105,14 +105,17 @@ def max_tokens_for(state: ServerState, prompt_len: int, requested: int | None) -
 
 def sampling(state: ServerState, prompt_len: int, max_tokens: int | None, *, temperature: float, top_p: float,
              top_k: int, seed: int | None, n: int, stop_token_ids: list[int] | None, ignore_eos: bool,
-             extra_stops: tuple[int, ...] = ()) -> SamplingParams:
+             extra_stops: tuple[int, ...] = (), min_tokens: int = 0, top_logprobs: int = 0,
+             prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's sampling settings. As in vLLM, a completion stops at the model's EOS ids unless
-    ``ignore_eos``, whatever ``stop_token_ids`` says (the engines themselves stop only where told)."""
+    ``ignore_eos``, whatever ``stop_token_ids`` says (the engines themselves stop only where told), and
+    ``min_tokens`` holds back those stops (and EOS) until that many tokens are sampled."""
     eos = () if ignore_eos else tuple(state.engine_info().eos_token_ids)
     stops = tuple(dict.fromkeys([*extra_stops, *(stop_token_ids or []), *eos]))
     return SamplingParams(max_tokens=max_tokens_for(state, prompt_len, max_tokens), temperature=temperature,
                           top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stops, logprobs=True,
-                          ignore_eos=ignore_eos, n=n)
+                          ignore_eos=ignore_eos, n=n, min_tokens=min_tokens, top_logprobs=top_logprobs,
+                          prompt_logprobs=prompt_logprobs)
 
 
 def validated(state: ServerState, req: GenerateRequest, prefix: str = "", prompt_param: str = "prompt") -> None:
@@ -168,7 +171,7 @@ async def sample_stream(state: ServerState, request: Request, req: GenerateReque
     async with contextlib.aclosing(state.fleet.generate_stream(req, key)) as items:
         async for item in items:
             if isinstance(item, StreamDelta):
-                ids, lps = item.token_ids, item.logprobs
+                ids, lps, tops = item.token_ids, item.logprobs, item.top_logprobs
                 if texts is not None:
                     t = texts[item.index]
                     if t.stopped:
@@ -176,13 +179,13 @@ async def sample_stream(state: ServerState, request: Request, req: GenerateReque
                     t.feed(ids)
                     if t.stopped:  # only the tokens up to the one that completed the stop string
                         keep = t.cut - fed[item.index]
-                        ids, lps = ids[:keep], (lps[:keep] if lps is not None else None)
+                        ids, lps, tops = ids[:keep], _head(lps, keep), _head(tops, keep)
                         if not aborted and all(x.stopped for x in texts):
                             aborted = True
                             await state.fleet.abort([req.request_id])
                 fed[item.index] += len(ids)
                 if ids:
-                    yield StreamDelta(item.index, ids, lps)
+                    yield StreamDelta(item.index, ids, lps, tops)
                 continue
             out, call_s, _ = item
             if texts is not None:
@@ -192,8 +195,13 @@ async def sample_stream(state: ServerState, request: Request, req: GenerateReque
             for i, r in enumerate(out.results):
                 if len(r.completion_ids) > fed[i]:
                     yield StreamDelta(i, r.completion_ids[fed[i]:],
-                                      r.logprobs[fed[i]:] if r.logprobs is not None else None)
+                                      r.logprobs[fed[i]:] if r.logprobs is not None else None,
+                                      r.top_logprobs[fed[i]:] if r.top_logprobs is not None else None)
             yield out, call_s
+
+
+def _head(items: list | None, n: int) -> list | None:
+    return items[:n] if items is not None else None
 
 
 def _cut_at_stops(out: GenerateOutput, texts: list[TextStream]) -> GenerateOutput:
@@ -203,11 +211,10 @@ def _cut_at_stops(out: GenerateOutput, texts: list[TextStream]) -> GenerateOutpu
             t.feed(r.completion_ids[len(t.ids):])
         if t.stopped:
             r = msgspec.structs.replace(
-                r, completion_ids=r.completion_ids[: t.cut],
-                logprobs=r.logprobs[: t.cut] if r.logprobs is not None else None,
-                finish_reason="stop", stop_token_id=None)
+                r, completion_ids=r.completion_ids[: t.cut], logprobs=_head(r.logprobs, t.cut),
+                top_logprobs=_head(r.top_logprobs, t.cut), finish_reason="stop", stop_token_id=None)
         results.append(r)
-    return GenerateOutput(out.request_id, out.prompt_len, results)
+    return GenerateOutput(out.request_id, out.prompt_len, results, out.prompt_logprobs)
 
 
 async def run_to_end(state: ServerState, request: Request, req: GenerateRequest, key: str | None,

@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from ..engines.protocol import GenerateOutput, GenerateRequest, GenerateResult
 from . import calls
+from .logprobs import chat_logprobs, completion_logprobs, engine_top, prompt_logprobs
 from .schemas import (
     BadRequest,
     ChatBody,
@@ -110,11 +111,16 @@ async def completions(state: ServerState, request: Request) -> Response:
     if body.stream and len(prompts) > 1:
         raise BadRequest("stream=true takes one prompt (a list of token ids), not a batch", "prompt")
     rid = calls.request_id(body.request_id, "cmpl")
+    # logprobs=k lists the sampled token and the k most likely; logprobs=1 (the usual "give me logprobs") on an
+    # engine that lists no alternatives (replay) gives the sampled token alone rather than a refusal
+    k = body.logprobs or 0
+    top = engine_top(k, k if k >= 2 else 0, state.engine_info().max_logprobs)
     reqs = []
     for i, prompt in enumerate(prompts):
         sp = calls.sampling(state, len(prompt), body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                             top_k=body.top_k, seed=body.seed, n=body.n, stop_token_ids=body.stop_token_ids,
-                            ignore_eos=body.ignore_eos)
+                            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, top_logprobs=top,
+                            prompt_logprobs=body.prompt_logprobs)
         sub = rid if len(prompts) == 1 else f"{rid}-{i}"
         reqs.append(GenerateRequest(request_id=sub, prompt_ids=prompt, sampling=sp, session_id=body.cache_salt))
     for r in reqs:  # refuse the whole batch before anything runs
@@ -129,25 +135,26 @@ async def completions(state: ServerState, request: Request) -> Response:
 
     texts = [c.texts(decode_text) if stops else None for _ in reqs]
     outs = await asyncio.gather(*(calls.run_to_end(state, request, r, c.key, t) for r, t in zip(reqs, texts)))
-    tok = state.parser.tokenizer
+    token_text = token_decoder(state)
     choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
     for prompt, (out, _), ts in zip(prompts, outs, texts):
         prompt_tokens += len(prompt)
         cached += max(r.cached_prompt_tokens for r in out.results)
+        scored = prompt_logprobs(token_text, prompt, out.prompt_logprobs)
         for j, r in enumerate(out.results):
             completion_tokens += len(r.completion_ids)
             text = ts[j].final_text if ts is not None else decode_text(r.completion_ids)
             choice: dict[str, Any] = {"index": len(choices), "text": text, "finish_reason": r.finish_reason,
                                       "stop_reason": calls.stop_reason(state, r, ts[j] if ts else None)}
             if body.logprobs is not None and r.logprobs is not None:
-                choice["logprobs"] = completion_logprobs(tok, r.completion_ids, r.logprobs,
-                                                         body.return_tokens_as_token_ids)
+                choice["logprobs"] = completion_logprobs(token_text, r.completion_ids, r.logprobs, r.top_logprobs,
+                                                         body.logprobs, body.return_tokens_as_token_ids)
             else:
                 choice["logprobs"] = None
             if body.return_token_ids:
                 choice["token_ids"] = r.completion_ids
                 choice["prompt_token_ids"] = prompt
-            choice.update(prompt_logprobs=None, routed_experts=None,
+            choice.update(prompt_logprobs=scored, routed_experts=None,
                           weight_versions=weight_spans(r.weight_version, len(r.completion_ids)))
             choices.append(choice)
     return _with_headers(calls.json_response({
@@ -167,26 +174,10 @@ def system_fingerprint() -> str:
         return "tito-unknown"
 
 
-def completion_logprobs(tok, ids: list[int], lps: list[float], as_ids: bool) -> dict:
-    """OpenAI's legacy completion logprobs: per token its text, logprob, ``top_logprobs`` holding the sampled
-    token alone (the engines return no alternatives) and ``text_offset``, where its text starts in the
-    completion's text (each token's own decoding, summed; vLLM counts the same way)."""
-    texts = [tok.decode([t]) for t in ids]
-    tokens = [f"token_id:{t}" for t in ids] if as_ids else texts
-    offsets, at = [], 0
-    for text in texts:
-        offsets.append(at)
-        at += len(text)
-    return {"tokens": tokens, "token_logprobs": lps,
-            "top_logprobs": [{token: lp} for token, lp in zip(tokens, lps)], "text_offset": offsets}
-
-
-def chat_logprobs(tok, ids: list[int], lps: list[float], as_ids: bool) -> dict:
-    def entry(t: int, lp: float) -> dict:
-        text = f"token_id:{t}" if as_ids else tok.decode([t])
-        return {"token": text, "logprob": lp, "bytes": None if as_ids else list(text.encode()), "top_logprobs": []}
-
-    return {"content": [entry(t, lp) for t, lp in zip(ids, lps)]}
+def token_decoder(state: ServerState):
+    """One token's text, as vLLM's logprobs name a token (its own decoding, special tokens included)."""
+    tok = state.parser.tokenizer
+    return lambda t: tok.decode([t])
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------
@@ -295,12 +286,17 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     stops = _stops(body.stop)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     rid = calls.request_id(body.request_id, "chatcmpl")
+    # chat's top_logprobs=k lists the first k of (sampled, most likely...): alternatives are needed from k=2
+    top = (body.top_logprobs or 0) if body.logprobs else 0
     sampling_kw = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed, n=body.n,
                        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                       extra_stops=tuple(state.parser.stop_token_ids))
+                       extra_stops=tuple(state.parser.stop_token_ids), min_tokens=body.min_tokens,
+                       top_logprobs=top if top >= 2 else 0, prompt_logprobs=body.prompt_logprobs)
     # the sampling settings alone (a one-token stand-in prompt), so a bad value is refused before a session
     # opens; max_tokens against the real prompt is checked once it is rendered
-    probe = max_tokens if max_tokens is not None and max_tokens < 1 else 1
+    if max_tokens is not None and body.min_tokens > max_tokens:
+        raise BadRequest(f"min_tokens={body.min_tokens} must be in [0, max_tokens={max_tokens}]", "min_tokens")
+    probe = max_tokens if max_tokens is not None and max_tokens < 1 else max(1, body.min_tokens)
     calls.validated(state, GenerateRequest(rid, [0], calls.sampling(state, 1, probe, **sampling_kw)),
                     prompt_param="messages")
     turn = None
@@ -354,7 +350,7 @@ def chat_choice(state: ServerState, body: ChatBody, r: GenerateResult, prompt: l
 
 def chat_response(state: ServerState, body: ChatBody, rid: str, prompt: list[int], out: GenerateOutput,
                   parsed_all: list, turn: Any) -> dict:
-    tok = state.parser.tokenizer
+    token_text = token_decoder(state)
     choices = []
     for i, (r, assistant, parsed, text) in enumerate(parsed_all):
         message = {"role": "assistant", "content": assistant.get("content"),
@@ -367,7 +363,8 @@ def chat_response(state: ServerState, body: ChatBody, rid: str, prompt: list[int
                                   "tool_call_attempts": [{"name": c.name, "status": str(c.status), "error": c.error,
                                                           "raw": c.raw} for c in parsed.tool_calls]}
         if body.logprobs and r.logprobs is not None:
-            choice["logprobs"] = chat_logprobs(tok, r.completion_ids, r.logprobs, body.return_tokens_as_token_ids)
+            choice["logprobs"] = chat_logprobs(token_text, r.completion_ids, r.logprobs, r.top_logprobs,
+                                               body.top_logprobs, body.return_tokens_as_token_ids)
         else:
             choice["logprobs"] = None
         if body.return_token_ids:
@@ -381,6 +378,7 @@ def chat_response(state: ServerState, body: ChatBody, rid: str, prompt: list[int
     }
     if body.return_token_ids:
         resp["prompt_token_ids"] = prompt
+    resp["prompt_logprobs"] = prompt_logprobs(token_text, prompt, out.prompt_logprobs)
     if turn is not None:
         resp["session"] = turn.info
     return resp

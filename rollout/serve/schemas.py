@@ -3,8 +3,8 @@
 Request structs forbid unknown fields, so a typo (``max_token``) is a 400 naming the field instead of a
 silently ignored setting. Fields vLLM accepts but that change nothing for a token-in/token-out engine
 (``skip_special_tokens``, ``detokenize``...) are accepted and ignored; fields whose meaning this server
-cannot honour (stop strings, penalties, top-k alternatives, streaming) are refused by
-:func:`check_unsupported` with a message naming them.
+cannot honour (stop strings on the token route, penalties, more than 20 alternatives, streaming) are
+refused by :func:`check_unsupported` with a message naming them.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
+from ..engines.protocol import MAX_LOGPROBS
 
 
 class BadRequest(ValueError):
@@ -55,9 +57,9 @@ class VLLMSamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
-    logprobs: int | None = None  # None: no logprobs; 0 or 1: the sampled token's logprob
-    prompt_logprobs: int | None = None
-    min_tokens: int = 0
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's, with the k most likely
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob, with the k most likely
+    min_tokens: int = 0  # no stop id or EOS before this many tokens
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -82,7 +84,7 @@ def check_unsupported(values: dict[str, Any], where: str = "sampling_params", op
         raise BadRequest(f"{prefix}stop: stop strings are not supported by a token-in/token-out route; "
                          "use stop_token_ids (the OpenAI routes honour stop strings)", f"{prefix}stop")
     ignored = []
-    for name, neutral in (("min_p", 0.0), ("min_tokens", 0), ("repetition_penalty", 1.0),
+    for name, neutral in (("min_p", 0.0), ("repetition_penalty", 1.0),
                           ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("logit_bias", None)):
         value = values.get(name)
         if value is None or value == neutral or value == {}:
@@ -92,17 +94,17 @@ def check_unsupported(values: dict[str, Any], where: str = "sampling_params", op
             continue
         raise BadRequest(f"{prefix}{name}={value!r} is not supported by the engines (only {neutral!r})",
                          f"{prefix}{name}")
-    if values.get("prompt_logprobs") is not None:
-        raise BadRequest(f"{prefix}prompt_logprobs is not supported (prompt tokens are not scored)",
-                         f"{prefix}prompt_logprobs")
-    lp = values.get("logprobs")
-    if isinstance(lp, int) and not isinstance(lp, bool) and not 0 <= lp <= 1:
-        raise BadRequest(f"{prefix}logprobs={lp}: only the sampled token's logprob is returned (use 0 or 1)",
-                         f"{prefix}logprobs")
-    top = values.get("top_logprobs")
-    if top is not None and not 0 <= top <= 1:
-        raise BadRequest(f"{prefix}top_logprobs={top}: only the sampled token's logprob is returned (use 0 or 1)",
-                         f"{prefix}top_logprobs")
+    # vLLM takes -1 (the whole vocabulary) up to its max_logprobs (20 by default); here at most 20
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        k = values.get(name)
+        if isinstance(k, int) and not isinstance(k, bool) and not 0 <= k <= MAX_LOGPROBS:
+            raise BadRequest(f"{prefix}{name}={k}: the number of most likely tokens per position must be in "
+                             f"[0, {MAX_LOGPROBS}]", f"{prefix}{name}")
+    if values.get("prompt_logprobs") is not None and values.get("stream"):
+        raise BadRequest(f"{prefix}prompt_logprobs is not available with stream=true", f"{prefix}prompt_logprobs")
+    min_tokens, max_tokens = values.get("min_tokens") or 0, values.get("max_tokens")
+    if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
+        raise BadRequest(f"{prefix}min_tokens={min_tokens} must be in [0, max_tokens]", f"{prefix}min_tokens")
     return ignored
 
 
@@ -121,12 +123,20 @@ class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):
     kv_transfer_params: dict | None = None
 
 
+class TopLogprob(msgspec.Struct):
+    token_id: int
+    logprob: float
+    rank: int | None
+
+
 class TokenLogprob(msgspec.Struct):
+    """vLLM's ``GenerateLogProbsContent`` (plus ``token``); see rollout/serve/logprobs.py."""
+
     token_id: int
     logprob: float
     token: str  # "token_id:<id>", vLLM's return_tokens_as_token_ids form (the renderers client checks it)
-    rank: int = 1
-    top_logprobs: list[dict] = msgspec.field(default_factory=list)
+    rank: int | None = None  # the sampled token's rank (None: the engine reports no ranks)
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
 
 
 class ChoiceLogprobs(msgspec.Struct):
@@ -183,8 +193,8 @@ class Timing(msgspec.Struct):
 
 
 class GenerateResponse(msgspec.Struct):
-    """vLLM's ``GenerateTokensResponse``; the fields tito never fills (prompt logprobs, multimodal, KV transfer)
-    are null, as vLLM sends them when unused."""
+    """vLLM's ``GenerateTokensResponse``; the fields tito never fills (multimodal, KV transfer) are null, as
+    vLLM sends them when unused."""
 
     request_id: str
     model: str
@@ -194,7 +204,7 @@ class GenerateResponse(msgspec.Struct):
     usage: Usage
     metrics: Timing
     output_mode: str = "tokens"
-    prompt_logprobs: None = None
+    prompt_logprobs: list[dict | None] | None = None  # sampling_params.prompt_logprobs (logprobs.py)
     prompt_token_id_logprobs: None = None
     mm_placeholders: None = None
     kv_transfer_params: None = None
@@ -222,6 +232,7 @@ class CompletionsBody(msgspec.Struct, forbid_unknown_fields=True):
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     echo: bool = False
     stream: bool = False
     return_token_ids: bool = False
@@ -266,6 +277,7 @@ class ChatBody(msgspec.Struct, forbid_unknown_fields=True):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stream: bool = False
     return_token_ids: bool = False
     chat_template_kwargs: dict | None = None

@@ -38,7 +38,9 @@ class ServerState:
         info = self.fleet.infos[0]
         return EngineInfo(backend=info.backend, model=info.model, vocab_size=self.fleet.vocab_size,
                           max_model_len=self.fleet.max_model_len, weight_version=self.fleet.weight_version,
-                          eos_token_ids=list(info.eos_token_ids))
+                          eos_token_ids=list(info.eos_token_ids),
+                          max_logprobs=min(i.max_logprobs for i in self.fleet.infos),
+                          scores_prompts=all(i.scores_prompts for i in self.fleet.infos))
 
     @cached_property
     def max_token_bytes(self) -> int:

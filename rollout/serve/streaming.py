@@ -21,7 +21,8 @@ from starlette.requests import Request
 
 from ..engines.streaming import StreamDelta
 from . import calls
-from .openai_routes import Call, chat_choice, chat_finish, chat_logprobs, completion_logprobs
+from .logprobs import chat_logprobs, completion_logprobs
+from .openai_routes import Call, chat_choice, chat_finish, token_decoder
 from .schemas import ChatBody, CompletionsBody
 from .sse import DONE, SSEResponse, event
 from .state import ServerState
@@ -52,7 +53,7 @@ def _response(state: ServerState, events: AsyncIterator[bytes], c: Call, turn: A
 def stream_completion(state: ServerState, request: Request, body: CompletionsBody, c: Call,
                       decode_text: Callable[[list[int]], str]) -> SSEResponse:
     req, prompt = c.reqs[0], c.prompts[0]
-    tok = state.parser.tokenizer
+    token_text = token_decoder(state)
     created, model = int(time.time()), state.model_names[0]
 
     def chunk(choices: list[dict], **extra: Any) -> bytes:
@@ -70,7 +71,8 @@ def stream_completion(state: ServerState, request: Request, body: CompletionsBod
                     ch: dict[str, Any] = {"index": i, "text": piece, "logprobs": None, "finish_reason": None,
                                           "stop_reason": None}
                     if body.logprobs is not None and item.logprobs is not None:
-                        ch["logprobs"] = completion_logprobs(tok, item.token_ids, item.logprobs,
+                        ch["logprobs"] = completion_logprobs(token_text, item.token_ids, item.logprobs,
+                                                             item.top_logprobs, body.logprobs,
                                                              body.return_tokens_as_token_ids)
                     if body.return_token_ids:
                         ch["token_ids"] = item.token_ids
@@ -120,7 +122,7 @@ def _extend(sent: str, now: str) -> str:
 
 def stream_chat(state: ServerState, request: Request, body: ChatBody, c: Call, turn: Any) -> SSEResponse:
     req, prompt = c.reqs[0], c.prompts[0]
-    parser, tok = state.parser, state.parser.tokenizer
+    parser, tok, token_text = state.parser, state.parser.tokenizer, token_decoder(state)
     created, model = int(time.time()), state.model_names[0]
     n = req.sampling.n
 
@@ -152,8 +154,8 @@ def stream_chat(state: ServerState, request: Request, body: ChatBody, c: Call, t
                             sent[i][k] = now
                     ch: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
                     if body.logprobs and item.logprobs is not None:
-                        ch["logprobs"] = chat_logprobs(tok, item.token_ids, item.logprobs,
-                                                       body.return_tokens_as_token_ids)
+                        ch["logprobs"] = chat_logprobs(token_text, item.token_ids, item.logprobs, item.top_logprobs,
+                                                       body.top_logprobs, body.return_tokens_as_token_ids)
                     if body.return_token_ids:
                         ch["token_ids"] = item.token_ids
                     if delta or ch["logprobs"] is not None or body.return_token_ids:
