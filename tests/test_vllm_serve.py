@@ -337,7 +337,7 @@ def test_update_weights_route_loads_a_training_step(servers, tmp_path):
     status, before = _call(base, "POST", "/inference/v1/generate", body)
     assert status == 200 and before["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
     status, answer = _call(base, "POST", "/update_weights", {"weight_dir": str(ckpt), "version": 1})
-    assert status == 200 and answer == {"weight_version": 1}, answer
+    assert status == 200 and answer == {"status": "ok", "weight_version": 1}, answer
     status, after = _call(base, "POST", "/inference/v1/generate", body)
     assert status == 200
     choice = after["choices"][0]
