@@ -97,15 +97,18 @@ class Conversations:
         self._put(self._key(ids), _Entry(list(ids), list(messages), None, tools, dict(kwargs)))
 
     def extend(
-        self, prompt: list[int], ids: list[int], completion: list[int], new: list[dict], tools, kwargs: dict[str, Any]
+        self, prompt: list[int], completion: list[int], appended: list[int], new: list[dict], tools, kwargs: dict[str, Any]
     ) -> None:
-        """``ids`` is the prompt that bridging from ``prompt`` produced: ``completion`` (the sampled turn,
-        kept as ids and parsed only if ever recalled) and the ``new`` messages appended. Nothing is
-        kept when ``prompt`` is unknown."""
+        """Bridging from ``prompt`` appended ``completion`` (the sampled turn, kept as ids and parsed only
+        if ever recalled) and ``appended`` (the ``new`` messages' ids). Nothing is kept when ``prompt`` is
+        unknown. O(1) in the history: the next prompt itself is never built here."""
         parent = self._get(self._key(prompt))
         if parent is not None:
-            entry = _Entry(ids[len(prompt) :], list(new), parent, tools, dict(kwargs), list(completion))
-            self._put(self._key(ids), entry)
+            tail = [*completion, *appended]
+            # the next prompt's key: its length and last ids (from the prompt where the tail is shorter)
+            last = tail[-_TAIL:] if len(tail) >= _TAIL else [*prompt[max(0, len(prompt) - (_TAIL - len(tail))):], *tail]
+            entry = _Entry(tail, list(new), parent, tools, dict(kwargs), list(completion))
+            self._put((len(prompt) + len(tail), tuple(last)), entry)
 
     def recall(
         self, prompt: list[int], tools: list[dict] | None, kwargs: dict[str, Any], parse: Callable[[list[int]], dict]

@@ -19,6 +19,7 @@ from .long_pieces import encode_pieces
 from .messages import MessageError, normalize_messages
 from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, closers, splice_point
 from .recover import recover_conversation
+from .tracked import Trace, trace_render, tracked
 from .types import Break, BreakReason, Bridged
 
 # Recipes of the splice (``_splice_by_recipe``): at most this many shapes per renderer; a text's index
@@ -100,7 +101,8 @@ class GenericBridge:
         if isinstance(result, Bridged) and history is None:
             # O(1) in the history: the sampled turn is parsed only if a later bridge needs it (a caller that
             # passes its history holds the conversation itself: nothing is remembered for it)
-            self._conversations.extend(prev_prompt_ids, result.token_ids, completion, msgs, tool_defs, self.template_kwargs)
+            self._conversations.extend(prev_prompt_ids, completion, result.appended.token_ids, msgs, tool_defs,
+                                       self.template_kwargs)
         return result
 
     def _bridge_in_full(self, prompt, completion, msgs, tools, history, why, closing_ids, splice_break) -> Bridged | Break:
@@ -135,19 +137,23 @@ class GenericBridge:
         assistant = assistant_message(self, completion, tools)
         return full_bridge(self, prompt, completion, history, assistant, msgs, tools, closing_ids, why)
 
-    def _histories(self, completion: list[int]) -> list[list[dict]]:
-        """Sentinel histories ending in an assistant turn shaped like the one just sampled: its tool calls
-        by name (templates render tool results by them) and its reasoning (to see what the template
-        drops). The reply's text is the anchor; a template that refuses text next to reasoning and tool
-        calls (gpt-oss) gets the anchor as the reasoning instead."""
+    def _shape(self, completion: list[int]) -> tuple[tuple[str, ...], bool]:
+        """What the sentinel histories take from the sampled turn: its tool calls' names (templates render
+        tool results by them) and whether it reasons (to see what the template drops)."""
         parsed = self.parse_response(completion)
-        calls = [
-            {"id": f"call_{i}", "type": "function", "function": {"name": c.name or PROBE_CALL["function"]["name"], "arguments": {}}}
-            for i, c in enumerate(parsed.tool_calls)
-        ]
+        return tuple(c.name or PROBE_CALL["function"]["name"] for c in parsed.tool_calls), bool(parsed.reasoning_content)
+
+    @staticmethod
+    def _histories(shape: tuple[tuple[str, ...], bool]) -> list[list[dict]]:
+        """Sentinel histories ending in an assistant turn of this shape. The reply's text is the anchor;
+        a template that refuses text next to reasoning and tool calls (gpt-oss) gets the anchor as the
+        reasoning instead."""
+        names, reasons = shape
+        calls = [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": {}}}
+                 for i, name in enumerate(names)]
         extra: dict[str, Any] = {"tool_calls": calls} if calls else {}
         user = {"role": "user", "content": SENT_USER}
-        if not parsed.reasoning_content:
+        if not reasons:
             return [[user, {"role": "assistant", "content": SENT_ASSISTANT, **extra}]]
         return [
             [user, {"role": "assistant", "content": SENT_ASSISTANT, "reasoning_content": SENT_USER, **extra}],
@@ -157,18 +163,18 @@ class GenericBridge:
     def _splice(self, prompt, completion, msgs, tools, needs_close: bool, prefix_len) -> Bridged | Break:
         if not self.probe.tools_in_tail:
             tools = None  # the probe found they only change text before the splice: do not render them
-        histories = self._histories(completion)
-        fast = self._splice_by_recipe(histories, msgs, tools, needs_close)
+        shape = self._shape(completion)
+        fast = self._splice_by_recipe(shape, msgs, tools, needs_close)
         if fast is not None:
             tail, closing = fast
         else:
-            spliced = self._splice_tail(histories, msgs, tools, needs_close, prefix_len)
+            spliced = self._splice_tail(self._histories(shape), msgs, tools, needs_close, prefix_len)
             if isinstance(spliced, Break):
                 return spliced
             tail, closing = spliced[:2]
         return bridged(prompt, completion, closing, encode_pieces(self.tokenizer, tail))  # the tail is all unsampled
 
-    def _splice_by_recipe(self, histories, msgs, tools, needs_close) -> tuple[list, list[int]] | None:
+    def _splice_by_recipe(self, shape, msgs, tools, needs_close) -> tuple[list, list[int]] | None:
         """The splice's tail pieces from the recipe for this shape of bridge, or None (no recipe: the
         full splice runs). A recipe is the splice of the same messages with a sentinel for each text
         (built once per shape); it applies where every text is plain (no edge whitespace, no added-token
@@ -182,39 +188,45 @@ class GenericBridge:
             return None
         if self._added_re is not None and any(self._added_re.search(t) for t in texts):
             return None
-        key = (repr(histories), needs_close, repr([{k: v for k, v in m.items() if k != "content"} for m in msgs]),
-               None if tools is None else repr(tools), repr(sorted(self.template_kwargs.items())))
+        kwargs = self.template_kwargs
+        if self.__dict__.get("_kwargs_key", (None,))[0] is not kwargs:
+            self._kwargs_key = (kwargs, repr(sorted(kwargs.items())))
+        key = (shape, needs_close, repr([{k: v for k, v in m.items() if k != "content"} for m in msgs]),
+               None if tools is None else repr(tools), self._kwargs_key[1])
         recipes = self._recipes
         recipe = recipes.get(key)
         if recipe is None:
             if len(recipes) >= _RECIPES:
                 recipes.clear()
-            recipe = recipes[key] = self._recipe(histories, msgs, tools, needs_close)
+            recipe = recipes[key] = self._recipe(self._histories(shape), msgs, tools, needs_close)
         if recipe is False:
             return None
-        history, parts, tail, closing = recipe
-        full = self._try_text([*history, *msgs], tools, True)
-        expected, pos = [], 0
-        for part in parts:
-            text = part if part.__class__ is str else texts[part]
+        history, parts, tail, closing, trace = recipe
+        expected = [part if part.__class__ is str else texts[part] for part in parts]
+        full = "".join(expected)
+        # the render is the recipe's text with the texts put in where the template asked these texts what
+        # it asked the sentinels and got the same answers (renderers/tracked.py); else it is rendered
+        if trace is None or not trace.holds(texts):
+            if self._try_text([*history, *msgs], tools, True) != full:
+                return None  # the template renders these texts unlike the sentinels: the full splice decides
+        pos = 0
+        for part, text in zip(parts, expected):
             if part.__class__ is not str:
                 # the annotation's rule: a text whose core touches a letter or digit of the template is
                 # not marked as content (BPE merges it with the template's text)
                 lead = len(text) - len(text.lstrip())
-                if glued(full or "", pos + lead, pos + lead + len(text.strip())):
+                if glued(full, pos + lead, pos + lead + len(text.strip())):
                     return None
-            expected.append(text)
             pos += len(text)
-        if full is None or full != "".join(expected):
-            return None  # the template renders these texts unlike the sentinels: the full splice decides
         # kept verbatim, edge whitespace included: the content span is the whole text, as the annotation finds
         return [(texts[v - _RECIPE_SENTINEL], k, True, sampled) if v.__class__ is int and v >= _RECIPE_SENTINEL
                 else (v, k, is_content, sampled) for v, k, is_content, sampled in tail], closing
 
     def _recipe(self, histories, msgs, tools, needs_close):
         """(history, the full text as literal parts and text indices, tail pieces with text indices as
-        ``_RECIPE_SENTINEL + i``, closing), or False where the shape has none (a sentinel not rendered
-        exactly once, as one content piece of its own)."""
+        ``_RECIPE_SENTINEL + i``, closing, the trace of what the template does with the texts or None),
+        or False where the shape has none (a sentinel not rendered exactly once, as one content piece of
+        its own)."""
         sentinels = [chr(0xF8300 + i) for i in range(len(msgs))]
         marked = [{**m, "content": sentinels[i]} for i, m in enumerate(msgs)]
         spliced = self._splice_tail(histories, marked, tools, needs_close, 0)
@@ -237,7 +249,15 @@ class GenericBridge:
                     return False
                 text = _RECIPE_SENTINEL + by_text[text]
             recipe_tail.append((text, k, is_content, sampled))
-        return history, parts, recipe_tail, closing
+        return history, parts, recipe_tail, closing, self._trace(history, marked, tools, full)
+
+    def _trace(self, history, marked, tools, full) -> Trace | None:
+        """What the template does with the new messages' texts (renderers/tracked.py), where the traced
+        render is the recipe's text and every use of a text is covered by a test; else None."""
+        msgs = [{**m, "content": tracked(m["content"], i)} for i, m in enumerate(marked)]
+        ctx = self.template.context([*history, *msgs], tools, True, self.special, **self.template_kwargs)
+        text, trace = trace_render(self.template.source, ctx)
+        return trace if trace.unsafe is None and text == full else None
 
     def _splice_tail(self, histories, msgs, tools, needs_close: bool, prefix_len):
         """(the tail's pieces after the splice point, the synthesized close, the sentinel history, the full

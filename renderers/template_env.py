@@ -81,9 +81,7 @@ class ChatTemplate:
         """The text transformers' ``apply_chat_template(..., tokenize=False)`` produces for these
         (already normalized) messages. Raises :class:`TemplateRejected` with the template's message
         where Jinja2 would raise (``raise_exception``, an undefined value in an operation, ...)."""
-        ctx: dict[str, Any] = dict(special_tokens or {})
-        ctx.update(kwargs)
-        ctx.update(messages=alias_reasoning(messages), tools=tools, documents=None, add_generation_prompt=add_generation_prompt)
+        ctx = self.context(messages, tools, add_generation_prompt, special_tokens, **kwargs)
         if _has_lossy_float(tools) or _has_lossy_float(kwargs) or any(
             "tool_calls" in m and _has_lossy_float(m["tool_calls"]) for m in messages
         ):  # numbers only come in through tool calls, tool definitions and kwargs
@@ -94,6 +92,20 @@ class ChatTemplate:
             raise TemplateRejected(f"the chat template rejects this conversation: {exc}") from None
         except (minijinja.TemplateError, TypeError, ValueError) as exc:  # a Jinja error, or tojson on bad data
             raise TemplateRejected(f"the chat template rejects this conversation: {_message(exc)}") from None
+
+    @staticmethod
+    def context(
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = False,
+        special_tokens: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The variables the template sees, as transformers passes them."""
+        ctx: dict[str, Any] = dict(special_tokens or {})
+        ctx.update(kwargs)
+        ctx.update(messages=alias_reasoning(messages), tools=tools, documents=None, add_generation_prompt=add_generation_prompt)
+        return ctx
 
     def _render_jinja2(self, ctx: dict[str, Any]) -> str:
         """Jinja2 with transformers' own environment, for data minijinja cannot print like Python.

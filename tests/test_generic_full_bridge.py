@@ -224,11 +224,11 @@ def test_conversation_memory_is_exact_and_bounded() -> None:
     assert mem.recall(b, None, {}, parse) is None
     assert mem.recall(a, None, {}, parse) == [user_a]
     assert mem.recall(a, [], {}, parse) is None and mem.recall(a, None, {"enable_thinking": False}, parse) is None
-    mem.extend(a, [*a, 7, 8, 9], [7], [tool], None, {})
+    mem.extend(a, [7], [8, 9], [tool], None, {})  # completion [7], then the tool's ids
     mem.remember(b, [user_b], None, {})  # takes a's key: a's chain keeps its own link
     assert mem.recall([*a, 7, 8, 9], None, {}, parse) == [user_a, parse([7]), tool]
     assert mem.recall(b, None, {}, parse) == [user_b]
-    mem.extend([9, 9], [9, 9, 1], [1], [tool], None, {})  # an unknown prompt: nothing kept
+    mem.extend([9, 9], [1], [], [tool], None, {})  # an unknown prompt: nothing kept
     assert mem.recall([9, 9, 1], None, {}, parse) is None
     assert mem.bytes <= mem.max_bytes
     big = {"role": "user", "content": "x" * 1500}
