@@ -7,6 +7,10 @@ The config file travels with the job (the working directory is uploaded as the j
 without .venv, out/ and caches); the job runs ``tito run CONFIG --address auto`` on the cluster,
 so engine and renderer actors are placed by Ray across its nodes. The config is validated here first,
 so a typo fails before anything is submitted. ``--dry-run`` prints the command instead of running it.
+
+Right after a cluster starts, its job server may not have a job agent yet: Ray then answers HTTP 500 "No
+available agent to submit job" after waiting 10 s itself, and nothing was submitted. That one answer is
+retried until ``--agent-wait`` seconds (default 60) have passed; every other failure is final.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import TextIO
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -25,6 +32,10 @@ sys.path.insert(0, str(REPO))
 from rollout.config import ConfigError, load_config  # noqa: E402
 
 EXCLUDES = [".venv", "out", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache"]
+# Ray's job head (dashboard/modules/job/job_head.py, submit_job) answers this, with HTTP 500, when the head
+# node's job agent has not registered within its own 10 s: the job was not submitted, so trying again is safe
+NO_AGENT = "No available agent to submit job"
+RETRY_PAUSE_S = 2.0
 
 
 def build_command(args: argparse.Namespace) -> list[str]:
@@ -49,6 +60,54 @@ def build_command(args: argparse.Namespace) -> list[str]:
     return cmd + ["--"] + entry
 
 
+def _echo(source: TextIO, sink: TextIO, seen: list[str]) -> None:
+    """Copy a stream line by line as it comes, keeping every line for the caller to look at."""
+    for line in source:
+        sink.write(line)
+        sink.flush()
+        seen.append(line)
+
+
+def run_echoing(cmd: list[str]) -> tuple[int, str]:
+    """Run ``cmd`` with its stdout and stderr passed through as they come (the job's log while it runs);
+    return its exit status and everything it printed."""
+    seen: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1) as process:
+        assert process.stdout is not None and process.stderr is not None
+        copiers = [threading.Thread(target=_echo, args=(process.stdout, sys.stdout, seen), daemon=True),
+                   threading.Thread(target=_echo, args=(process.stderr, sys.stderr, seen), daemon=True)]  # fmt: skip
+        for copier in copiers:
+            copier.start()
+        for copier in copiers:
+            copier.join()
+        return process.wait(), "".join(seen)
+
+
+def submit(cmd: list[str], agent_wait_s: float) -> int:
+    """Run ``ray job submit``; while the cluster has no job agent yet, submit again, for up to ``agent_wait_s``."""
+    deadline = time.monotonic() + agent_wait_s
+    while True:
+        status, printed = run_echoing(cmd)
+        if status == 0 or NO_AGENT not in printed:
+            return status
+        if time.monotonic() + RETRY_PAUSE_S > deadline:
+            print(
+                f"launch_rollouts: the cluster's job server still had no job agent after {agent_wait_s:g} s "
+                f"({NO_AGENT!r}); nothing was submitted. Check that the head node's dashboard agent runs "
+                "(its log: <ray temp dir>/session_latest/logs/dashboard_agent.log on the head), or wait "
+                "longer with --agent-wait.",
+                file=sys.stderr,
+            )
+            return status
+        print(
+            f"launch_rollouts: the cluster's job server has no job agent yet; nothing was submitted, trying "
+            f"again ({deadline - time.monotonic():.0f} s left of --agent-wait)",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(RETRY_PAUSE_S)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config")
@@ -59,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pip", nargs="*", help="extra pip packages for the job's environment (e.g. tito[vllm])")
     ap.add_argument("--no-wait", action="store_true", help="return once submitted")
     ap.add_argument("--dry-run", action="store_true", help="print the command, submit nothing")
+    ap.add_argument("--agent-wait", type=float, default=60.0, metavar="SECONDS",
+                    help="how long to keep submitting while the cluster has no job agent yet (default 60)")  # fmt: skip
     args = ap.parse_args(argv)
     try:
         load_config(args.config, args.set)
@@ -69,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    return subprocess.call(cmd)
+    return submit(cmd, args.agent_wait)
 
 
 if __name__ == "__main__":
