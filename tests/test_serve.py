@@ -425,6 +425,24 @@ def test_sessions_listed_and_ended_by_header_or_route(server):
     assert request(server, "DELETE", f"/v1/sessions/{b}")[0] == 404
 
 
+def test_streamed_last_turn_ends_its_session_when_the_stream_ends(server):
+    sid = "sess-end-stream"
+    hello = [{"role": "user", "content": "hello"}]
+    assert chat(server, hello, sid, tools=None)[0] == 200
+    req = urllib.request.Request(server.url + "/v1/chat/completions", method="POST", data=json.dumps({
+        "model": "qwen-test", "messages": hello, "max_tokens": 8, "stream": True}).encode(),
+        headers={"Content-Type": "application/json", "X-Session-ID": sid, "X-Session-End": "true"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["session"]["ended"] is True  # the last chunk carries the session, marked as ending
+    deadline = time.monotonic() + 5
+    while sid in listing(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sid not in listing(server)
+
+
 def test_idle_sessions_are_evicted_least_recently_used_first_over_the_memory_bound(server):
     sm = server.state.sessions
     ids = ["sess-mem-0", "sess-mem-1", "sess-mem-2"]
@@ -446,6 +464,43 @@ def test_idle_sessions_are_evicted_least_recently_used_first_over_the_memory_bou
         assert 0 < metric(server, "sessions_bytes") <= bound
     finally:
         sm.max_idle_bytes = saved
+
+
+def test_session_byte_count_tracks_the_memory_really_held():
+    """sessions.max_idle_bytes bounds the payload count; it must follow what Python really allocates for the
+    sessions (SessionManager + a real RendererService, in-process), measured with tracemalloc over 10 four-turn
+    chats after 10 warm-up ones (so one-time costs such as the template's compilation are excluded)."""
+    import asyncio
+    import random
+    import tracemalloc
+
+    from rollout.renderer_service import RendererService
+    from rollout.serve.sessions import SessionManager
+
+    sm = SessionManager([RendererService(str(tokenizer_dir(QWEN)))], idle_timeout_s=900, max_sessions=100)
+    rng = random.Random(0)
+
+    async def chats(first: int, count: int) -> None:
+        for k in range(first, first + count):
+            s = sm.open(f"mem-{k}")
+            msgs = [{"role": "user", "content": "hello " * 50}]
+            for _ in range(4):
+                await sm.prepare(s, msgs, None)
+                completion = [rng.randrange(1000, 150000) for _ in range(200)] + [IM_END]
+                answer = {"role": "assistant", "content": "x" * 200}
+                await sm.record(s, completion, [-0.5] * len(completion), 0, answer)
+                msgs = [*msgs, answer, {"role": "user", "content": "more " * 30}]
+
+    asyncio.run(chats(0, 10))
+    tracemalloc.start()
+    try:
+        before, payload_before = tracemalloc.get_traced_memory()[0], sm.nbytes
+        asyncio.run(chats(10, 10))
+        traced, payload = tracemalloc.get_traced_memory()[0] - before, sm.nbytes - payload_before
+    finally:
+        tracemalloc.stop()
+    print(f"payload {payload} B, traced {traced} B: {traced / payload:.2f}x")
+    assert 1.5 < traced / payload < 6, (traced, payload)
 
 
 def test_idle_sessions_expire(server):

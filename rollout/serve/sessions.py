@@ -16,8 +16,9 @@ the server has an output directory) and dropped.
 
 Memory is counted as payload bytes (:attr:`Session.nbytes`): the token ids this server keeps for the
 session's next bridge (int64) plus the samples its renderer holds (per token an int64 id, a float32
-logprob and a one-byte loss mask, as a shard stores them). Python's objects holding them take a few times
-more; the bound is on the payload, which grows with the same tokens.
+logprob and a one-byte loss mask, as a shard stores them). Python's objects holding them take more (3.7x
+the payload, measured with tracemalloc over four-turn chats, messages included); the bound is on the payload,
+which grows with the same tokens.
 """
 
 from __future__ import annotations
