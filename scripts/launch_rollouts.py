@@ -93,9 +93,10 @@ def submit(cmd: list[str], agent_wait_s: float) -> int:
         if time.monotonic() + RETRY_PAUSE_S > deadline:
             print(
                 f"launch_rollouts: the cluster's job server still had no job agent after {agent_wait_s:g} s "
-                f"({NO_AGENT!r}); nothing was submitted. Check that the head node's dashboard agent runs "
-                "(its log: <ray temp dir>/session_latest/logs/dashboard_agent.log on the head), or wait "
-                "longer with --agent-wait.",
+                f"({NO_AGENT!r}); nothing was submitted. Check the head node's dashboard agent in "
+                "<ray temp dir>/session_latest/logs/dashboard_agent.log: 'Failed to bind to port 52365' means "
+                "another Ray on that machine holds the agent's default port (start the head with "
+                "--dashboard-agent-listen-port=<a free port>); otherwise wait longer with --agent-wait.",
                 file=sys.stderr,
             )
             return status
