@@ -20,7 +20,7 @@ from .messages import MessageError, normalize_messages
 from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, closers, splice_point
 from .recover import recover_conversation
 from .tracked import Trace, trace_render, tracked
-from .types import Break, BreakReason, Bridged
+from .types import Break, BreakReason, Bridged, RenderedTokens
 
 # Recipes of the splice (``_splice_by_recipe``): at most this many shapes per renderer; a text's index
 # in a recipe's tail is stored as _RECIPE_SENTINEL + i (special token ids are far below it).
@@ -166,21 +166,20 @@ class GenericBridge:
         shape = self._shape(completion)
         fast = self._splice_by_recipe(shape, msgs, tools, needs_close)
         if fast is not None:
-            tail, closing = fast
-        else:
-            spliced = self._splice_tail(self._histories(shape), msgs, tools, needs_close, prefix_len)
-            if isinstance(spliced, Break):
-                return spliced
-            tail, closing = spliced[:2]
-        return bridged(prompt, completion, closing, encode_pieces(self.tokenizer, tail))  # the tail is all unsampled
+            return bridged(prompt, completion, fast[1], fast[0])
+        spliced = self._splice_tail(self._histories(shape), msgs, tools, needs_close, prefix_len)
+        if isinstance(spliced, Break):
+            return spliced
+        return bridged(prompt, completion, spliced[1], encode_pieces(self.tokenizer, spliced[0]))  # all unsampled
 
-    def _splice_by_recipe(self, shape, msgs, tools, needs_close) -> tuple[list, list[int]] | None:
-        """The splice's tail pieces from the recipe for this shape of bridge, or None (no recipe: the
-        full splice runs). A recipe is the splice of the same messages with a sentinel for each text
-        (built once per shape); it applies where every text is plain (no edge whitespace, no added-token
-        string, no private-use character) and the template's real render is the recipe's text with the
-        texts put in: then the tail's pieces are the recipe's with the texts put in, exactly what the
-        full splice would assemble, at one render instead of two plus the annotation."""
+    def _splice_by_recipe(self, shape, msgs, tools, needs_close) -> tuple[RenderedTokens, list[int]] | None:
+        """The splice's tail from the recipe for this shape of bridge, or None (no recipe: the full
+        splice runs). A recipe is the splice of the same messages with a sentinel for each text (built
+        once per shape); it applies where every text is plain (no added-token string, no private-use
+        character) and the template's real render is the recipe's text with the texts put in: then the
+        tail is the recipe's with the texts put in, exactly what the full splice would assemble, with no
+        render where the template's tests of the texts hold (renderers/tracked.py), else one. The runs of
+        the tail that hold no text were encoded when the recipe was built."""
         if self.thinking_retention == "template":
             return None
         texts = [m.get("content") for m in msgs]
@@ -201,7 +200,7 @@ class GenericBridge:
             recipe = recipes[key] = self._recipe(self._histories(shape), msgs, tools, needs_close)
         if recipe is False:
             return None
-        history, parts, tail, closing, trace = recipe
+        history, parts, segments, closing, trace = recipe
         expected = [part if part.__class__ is str else texts[part] for part in parts]
         full = "".join(expected)
         # the render is the recipe's text with the texts put in where the template asked these texts what
@@ -218,9 +217,19 @@ class GenericBridge:
                 if glued(full, pos + lead, pos + lead + len(text.strip())):
                     return None
             pos += len(text)
-        # kept verbatim, edge whitespace included: the content span is the whole text, as the annotation finds
-        return [(texts[v - _RECIPE_SENTINEL], k, True, sampled) if v.__class__ is int and v >= _RECIPE_SENTINEL
-                else (v, k, is_content, sampled) for v, k, is_content, sampled in tail], closing
+        ids: list[int] = []
+        message_indices: list[int] = []
+        is_content: list[bool] = []
+        for segment in segments:
+            if segment.__class__ is not RenderedTokens:  # a run holding texts: encoded with them put in
+                # kept verbatim, edge whitespace included: the content span is the whole text, as the annotation finds
+                segment = encode_pieces(self.tokenizer, [
+                    (texts[v - _RECIPE_SENTINEL], k, True, s) if v.__class__ is int and v >= _RECIPE_SENTINEL
+                    else (v, k, c, s) for v, k, c, s in segment])
+            ids += segment.token_ids
+            message_indices += segment.message_indices
+            is_content += segment.is_content
+        return RenderedTokens(ids, message_indices, [False] * len(ids), is_content), closing  # all unsampled
 
     def _recipe(self, histories, msgs, tools, needs_close):
         """(history, the full text as literal parts and text indices, tail pieces with text indices as
@@ -249,7 +258,32 @@ class GenericBridge:
                     return False
                 text = _RECIPE_SENTINEL + by_text[text]
             recipe_tail.append((text, k, is_content, sampled))
-        return history, parts, recipe_tail, closing, self._trace(history, marked, tools, full)
+        return history, parts, self._segments(recipe_tail), closing, self._trace(history, marked, tools, full)
+
+    def _segments(self, tail: list) -> list:
+        """The recipe's tail as segments: encoded tokens where no text goes (special tokens and the runs
+        between them), the pieces of each run that holds a text. A run ends at a special token, which
+        tokenization never crosses, so encoding the segments apart gives the tail's tokens."""
+        runs: list[list] = [[]]
+        for piece in tail:
+            value = piece[0]
+            if value.__class__ is int and value < _RECIPE_SENTINEL:  # a special token: a run of its own
+                runs += [[piece], []]
+            else:
+                runs[-1].append(piece)
+        segments: list = []
+        fixed: list = []
+        for run in runs:
+            if any(v.__class__ is int and v >= _RECIPE_SENTINEL for v, *_ in run):
+                if fixed:
+                    segments.append(encode_pieces(self.tokenizer, fixed))
+                    fixed = []
+                segments.append(run)
+            else:
+                fixed += run
+        if fixed:
+            segments.append(encode_pieces(self.tokenizer, fixed))
+        return segments
 
     def _trace(self, history, marked, tools, full) -> Trace | None:
         """What the template does with the new messages' texts (renderers/tracked.py), where the traced
