@@ -230,3 +230,50 @@ def test_pause_with_skyrl_json_body_waits_for_running_requests(server):
         assert status == 200 and r["mode"] == "wait" and server.state.fleet.in_flight == 0
     finally:
         assert call(server, "POST", "/resume")[1] == {"status": "resumed", "paused": False}
+
+
+def test_wake_up_reloads_the_last_updated_weights_not_the_base_model(model_path, tmp_path):
+    """The embedded backend directly: after update_weights(another checkpoint), sleep + wake_up must bring back
+    that checkpoint (the sampled tokens' logprobs equal those before the sleep), not the model the engine was
+    built with (whose logprobs differ). The other checkpoint is the model with its final norm scaled by 1.25,
+    saved as a trainer saves one (a training step takes a minute on a busy 2-core box)."""
+    import asyncio
+
+    import torch
+
+    from rollout.engines.embedded import EmbeddedEngine
+    from rollout.engines.protocol import GenerateRequest, SamplingParams
+    from rollout.models import load_causal_lm
+    from scripts.train_step_demo import save_checkpoint
+
+    other = load_causal_lm(model_path)
+    with torch.no_grad():
+        other.model.norm.weight.mul_(1.25)
+    trained = str(save_checkpoint(other, tmp_path / "step-1"))
+    del other
+    prompt = prompt_ids("What is the capital of France?")
+
+    async def run() -> list[list[float]]:
+        engine = EmbeddedEngine(model_path, threads=1, max_batch=2, max_model_len=256, fetch=False)
+        n = 0
+
+        async def logprobs() -> list[float]:
+            nonlocal n
+            n += 1
+            out = await engine.generate(GenerateRequest(f"wake-{n}", prompt, SamplingParams(max_tokens=4,
+                                                                                            temperature=0)))
+            return out.results[0].logprobs
+
+        try:
+            base = await logprobs()
+            await engine.update_weights(trained, 1)
+            updated = await logprobs()
+            await engine.sleep(2)
+            await engine.wake_up()
+            return [base, updated, await logprobs()]
+        finally:
+            await engine.close()
+
+    base, updated, woken = asyncio.run(run())
+    assert max(abs(a - b) for a, b in zip(base, updated)) > 1e-3  # the training step changed the model
+    assert woken == updated
