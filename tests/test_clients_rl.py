@@ -172,6 +172,23 @@ def test_verifiers_eval_client_session_is_the_train_trace(server, verifiers_run)
     assert sampled_logprobs == pytest.approx([lp for n in train["nodes"][1::2] for lp in n["logprobs"]], abs=1e-3)
 
 
+def test_verifiers_train_client_bridged_turn_request(server):
+    """A stand-in for one request the run above cannot produce: with a renderer that bridges (every hand-coded
+    one in PyPI renderers; SmolLM2 gets its DefaultRenderer, which never does), TrainClient adds
+    ``sampling_params.routed_experts_prompt_start`` to a bridged turn (vLLM's SamplingParams field: where the
+    returned MoE routing starts). tito returns no routing, so it only checks the value as vLLM does."""
+    prompt = hf_prompt([{"role": "user", "content": USER_TURNS[0]}])
+    body = {"model": MODEL, "token_ids": prompt, "sampling_params": {
+        "max_tokens": 4, "temperature": 0.0, "routed_experts_prompt_start": len(prompt) - 1,
+        "stop_token_ids": [EOS], "logprobs": 1, "skip_special_tokens": False}}
+    status, r = post(server, "/inference/v1/generate", body, {"X-Session-ID": "verifiers-trace-bridged"})
+    assert status == 200, r
+    assert r["choices"][0]["token_ids"] == greedy(server, prompt, 4)["token_ids"]
+    body["sampling_params"]["routed_experts_prompt_start"] = len(prompt) + 1  # past the prompt: vLLM's 400
+    status, r = post(server, "/inference/v1/generate", body)
+    assert status == 400 and r["error"]["param"] == "sampling_params.routed_experts_prompt_start", r
+
+
 # ---- TRL 1.16 VLLMClient -----------------------------------------------------------------------------
 
 TRL_SCRIPT = """
@@ -237,6 +254,20 @@ def test_trl_vllm_client_generate_and_chat(server, trl_run):
     chat = _value(trl_run, "chat")  # the server renders the chat template: the same prompt, the same answer
     assert chat["prompt_ids"] == [prompt] and chat["completion_ids"] == gen["completion_ids"]
     assert chat["logprob_token_ids"] == gen["logprob_token_ids"]
+
+
+@pytest.mark.slow
+def test_trl_vllm_client_top_logprobs_and_prompt_scores(trl_run):
+    top = _value(trl_run, "generate_top2")
+    assert len(top["completion_ids"]) == 2 and len(top["prompt_ids"]) == 1
+    for ids, lps, lp_ids in zip(top["completion_ids"], top["logprobs"], top["logprob_token_ids"]):
+        assert len(lps) == len(lp_ids) == len(ids) > 0
+        for token, row, row_ids in zip(ids, lps, lp_ids):
+            # the top 2 and the sampled token (TRL adds it when outside the top 2), most likely first
+            assert len(row) in (2, 3) and token in row_ids and row == sorted(row, reverse=True)
+    seq = _value(trl_run, "sequence_logprobs")  # prompt_logprobs over a given sequence: the last two positions
+    assert seq["actual_token_ids"] == [[[504], [7302]]]
+    assert all(len(row) == 3 for row in seq["logprobs"][0]) and all(v[0] <= 0 for v in seq["actual_logprobs"][0])
 
 
 @pytest.mark.slow
@@ -326,6 +357,44 @@ def skyrl_generate(srv, token_ids, sampling, session_id=None):
 
 
 @pytest.mark.slow
+def test_skyrl_generate_with_its_default_sampling_stops_at_eos(server):
+    prompt = hf_prompt(CAPITAL)
+    status, r = skyrl_generate(server, prompt, SKYRL_DEFAULT_SAMPLING, "skyrl-traj-0")
+    assert status == 200, r
+    choice = r["choices"][0]  # what SkyRL reads: token_ids, logprobs.content[].logprob, finish_reason
+    assert choice["finish_reason"] == "stop" and len(choice["token_ids"]) < 64  # the model's EOS, as vLLM stops
+    assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+    assert all(c["logprob"] <= 0 for c in choice["logprobs"]["content"])
+    assert "Paris" in reference(SMOLLM2).decode(choice["token_ids"])
+    # its detokenize without a local tokenizer: /detokenize {"model", "tokens"} -> "prompt"
+    status, text = post(server, "/detokenize", {"model": MODEL, "tokens": choice["token_ids"]})
+    assert status == 200 and text["prompt"] == reference(SMOLLM2).decode(choice["token_ids"])
+    status, tok = post(server, "/tokenize", {"model": MODEL, "prompt": "Paris", "add_special_tokens": True})
+    assert status == 200 and tok["tokens"] == reference(SMOLLM2)("Paris")["input_ids"]
+
+
+@pytest.mark.slow
+def test_skyrl_tinker_sample_with_prompt_logprobs(server):
+    """sample(): n samples, logprobs 0, output_kind 2 (vLLM's FINAL_ONLY), prompt_logprobs when asked."""
+    prompt = hf_prompt(CAPITAL)
+    sampling = {"n": 2, "logprobs": 0, "output_kind": 2, "prompt_logprobs": 2, "temperature": 1.0, "max_tokens": 6,
+                "seed": 5}
+    status, r = skyrl_generate(server, prompt, sampling, "skyrl-sample-0")
+    assert status == 200, r
+    assert len(r["choices"]) == 2
+    for choice in r["choices"]:
+        assert len(choice["logprobs"]["content"]) == len(choice["token_ids"]) > 0
+    # convert_vllm_prompt_logprobs: one entry per prompt token, None first, then {str(id): {"logprob": ...}}
+    scores = r["prompt_logprobs"]
+    assert len(scores) == len(prompt) and scores[0] is None
+    for token, entry in zip(prompt[1:], scores[1:]):
+        assert str(token) in entry and entry[str(token)]["logprob"] <= 0 and len(entry) in (2, 3)
+    # output_kind 1 (vLLM's DELTA) would return only the last delta of an unstreamed completion: refused
+    status, r = skyrl_generate(server, prompt, {**sampling, "output_kind": 1, "prompt_logprobs": None})
+    assert status == 400 and r["error"]["param"] == "sampling_params.output_kind", r
+
+
+@pytest.mark.slow
 def test_skyrl_chat_and_completion_with_a_session_header(server):
     # chat_completion / completion: the body as given (session_id moved into X-Session-ID)
     body = {"model": MODEL, "messages": CAPITAL, "max_tokens": 16, "temperature": 0}
@@ -345,3 +414,17 @@ def skyrl_control(srv, method: str, path: str, body=None):
     return reply
 
 
+@pytest.mark.slow
+def test_skyrl_control_plane_calls(server):
+    prompt = hf_prompt(CAPITAL)
+    assert skyrl_control(server, "GET", "/get_world_size", {})["world_size"] == 1
+    skyrl_control(server, "POST", "/pause?mode=keep&clear_cache=false")
+    skyrl_control(server, "POST", "/resume")
+    assert skyrl_control(server, "POST", "/reset_prefix_cache", {"reset_running_requests": False})["success"]
+    skyrl_control(server, "POST", "/sleep?level=2")
+    assert skyrl_control(server, "GET", "/is_sleeping")["is_sleeping"] is True
+    skyrl_control(server, "POST", "/wake_up")
+    assert skyrl_control(server, "GET", "/is_sleeping")["is_sleeping"] is False
+    # awake again with the same weights: the greedy answer is the one before the sleep
+    status, r = skyrl_generate(server, prompt, SKYRL_DEFAULT_SAMPLING)
+    assert status == 200 and "Paris" in reference(SMOLLM2).decode(r["choices"][0]["token_ids"]), r

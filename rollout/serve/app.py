@@ -77,6 +77,10 @@ async def generate(state: ServerState, request: Request) -> Response:
         raise BadRequest("kv_transfer_params (disaggregated prefill) is not supported", "kv_transfer_params")
     sp = body.sampling_params
     check_unsupported(struct_values(sp))
+    # vLLM's check (verifiers' TrainClient sends the field on a bridged turn); no routing is returned here
+    if not 0 <= sp.routed_experts_prompt_start <= len(body.token_ids):
+        raise BadRequest(f"sampling_params.routed_experts_prompt_start={sp.routed_experts_prompt_start} must be in "
+                         f"[0, {len(body.token_ids)}] (the prompt length)", "sampling_params.routed_experts_prompt_start")
     rid = calls.request_id(body.request_id, "gen")
     try:
         sampling = calls.sampling(state, len(body.token_ids), sp.max_tokens, temperature=sp.temperature,

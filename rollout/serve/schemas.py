@@ -60,6 +60,8 @@ class VLLMSamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's, with the k most likely
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob, with the k most likely
     min_tokens: int = 0  # no stop id or EOS before this many tokens
+    output_kind: int = 0  # vLLM's RequestOutputKind: 0 cumulative, 2 final only (1 deltas: refused)
+    routed_experts_prompt_start: int = 0  # vLLM's: where returned MoE routing starts (none is returned)
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -102,6 +104,12 @@ def check_unsupported(values: dict[str, Any], where: str = "sampling_params", op
                              f"[0, {MAX_LOGPROBS}]", f"{prefix}{name}")
     if values.get("prompt_logprobs") is not None and values.get("stream"):
         raise BadRequest(f"{prefix}prompt_logprobs is not available with stream=true", f"{prefix}prompt_logprobs")
+    # vLLM's RequestOutputKind (SkyRL's Tinker-style sample() sends 2): unstreamed, 0 and 2 both give the whole
+    # completion; 1 would leave only its last delta
+    kind = values.get("output_kind")
+    if kind is not None and kind not in (0, 2):
+        raise BadRequest(f"{prefix}output_kind={kind!r}: only 0 (cumulative) or 2 (final only); this route answers "
+                         "with the whole completion, not deltas", f"{prefix}output_kind")
     min_tokens, max_tokens = values.get("min_tokens") or 0, values.get("max_tokens")
     if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
         raise BadRequest(f"{prefix}min_tokens={min_tokens} must be in [0, max_tokens]", f"{prefix}min_tokens")
