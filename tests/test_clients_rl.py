@@ -219,8 +219,10 @@ print(json.dumps(out))
 
 
 def _vllm_site() -> Path | None:
-    found = sorted((REPO / ".venv-vllm" / "lib").glob("python*/site-packages/vllm"))
-    return found[0].parent if found else None
+    """.venv-vllm's site-packages once `make .venv-vllm/.tito-installed` has finished building it."""
+    venv = REPO / ".venv-vllm"
+    found = sorted((venv / "lib").glob("python*/site-packages/vllm"))
+    return found[0].parent if found and (venv / ".tito-installed").is_file() else None
 
 
 @pytest.fixture(scope="module")
