@@ -223,9 +223,21 @@ def test_sleep_aborts_running_requests_by_default(server):
 def test_pause_with_skyrl_json_body_waits_for_running_requests(server):
     status, r = call(server, "POST", "/pause", {"wait_for_inflight_request": True})
     try:
-        assert status == 200 and r["mode"] == "wait" and server.state.fleet.in_flight == 0
+        assert status == 200 and r["mode"] == "wait" and r["cache_cleared"] is False
+        assert server.state.fleet.in_flight == 0
     finally:
         assert call(server, "POST", "/resume")[1] == {"status": "resumed", "paused": False}
+
+
+def test_pause_with_clear_cache_drops_the_cached_kv(server):
+    extra = prompt_ids("Why?")[1:]
+    prompt = prompt_ids("Name a fruit.")
+    first = generate(server, prompt, 4, cache_salt="salt-pause")[1]["choices"][0]["token_ids"]
+    status, r = call(server, "POST", "/pause?mode=wait&clear_cache=true")
+    assert call(server, "POST", "/resume")[0] == 200
+    assert status == 200 and r["cache_cleared"] is True
+    after = generate(server, prompt + first + extra, 4, cache_salt="salt-pause")[1]
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, after["usage"]
 
 
 def test_wake_up_reloads_the_last_updated_weights_not_the_base_model(model_path, tmp_path):
