@@ -488,6 +488,45 @@ async def check_prompt_logprobs(backend: EngineBackend) -> None:
     assert max(abs(x - y) for x, y in zip(a, b)) <= LOGPROB_ATOL, "a session's cached prefix changed the scores"
 
 
+async def check_reset_prefix_cache(backend: EngineBackend) -> None:
+    """``reset_prefix_cache()`` (optional; the server's POST /reset_prefix_cache): True on an idle backend, and
+    afterwards nothing is served from cache: a session's next turn, extending its prompt + completion, reports
+    ``cached_prompt_tokens == 0``."""
+    reset = getattr(backend, "reset_prefix_cache", None)
+    if reset is None:
+        raise ConformanceSkip("the backend has no reset_prefix_cache (an optional admin method)")
+    prompt = _prompt(backend.info(), 16)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    session = _rid("reset-session")
+    first = await run_checked(backend, GenerateRequest(_rid("reset-a"), list(prompt), greedy, session_id=session))
+    assert await reset() is True, "reset_prefix_cache on an idle backend did not succeed"
+    longer = [*prompt, *first.results[0].completion_ids, *prompt[:4]]
+    after = await run_checked(backend, GenerateRequest(_rid("reset-b"), longer, greedy, session_id=session))
+    assert after.results[0].cached_prompt_tokens == 0, "KV cached before reset_prefix_cache was reused"
+
+
+async def check_sleep_wake_up(backend: EngineBackend) -> None:
+    """``sleep(level)`` / ``wake_up()`` (optional; POST /sleep, /wake_up): either Unsupported naming why (and the
+    backend keeps serving), or after sleep(2) + wake_up the greedy answer and its logprobs are those before."""
+    from rollout.engines.protocol import Unsupported
+
+    if getattr(backend, "sleep", None) is None:
+        raise ConformanceSkip("the backend has no sleep (an optional admin method)")
+    prompt = _prompt(backend.info())
+    before = await run_checked(backend, _request(prompt, tag="sleep-before", max_tokens=8))
+    try:
+        await backend.sleep(2)
+    except Unsupported as exc:
+        assert str(exc), "Unsupported must say why"
+    else:
+        await backend.wake_up()
+    after = await run_checked(backend, _request(prompt, tag="sleep-after", max_tokens=8))
+    a, b = before.results[0], after.results[0]
+    assert a.completion_ids == b.completion_ids, "the greedy answer changed across sleep + wake_up"
+    if a.logprobs is not None and b.logprobs is not None:
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= LOGPROB_ATOL
+
+
 CONFORMANCE_CHECKS: dict[str, ConformanceCheck] = {
     "info": check_info,
     "greedy_determinism": check_greedy_determinism,
@@ -502,6 +541,8 @@ CONFORMANCE_CHECKS: dict[str, ConformanceCheck] = {
     "min_tokens": check_min_tokens,
     "top_logprobs": check_top_logprobs,
     "prompt_logprobs": check_prompt_logprobs,
+    "reset_prefix_cache": check_reset_prefix_cache,
+    "sleep_wake_up": check_sleep_wake_up,
 }
 
 
