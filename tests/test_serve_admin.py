@@ -285,3 +285,30 @@ def test_wake_up_reloads_the_last_updated_weights_not_the_base_model(model_path,
     base, updated, woken = asyncio.run(run())
     assert max(abs(a - b) for a, b in zip(base, updated)) > 1e-3  # the training step changed the model
     assert woken == updated
+
+
+def engines_holding(srv, session_id: str) -> int:
+    """How many engines keep session KV for ``session_id`` (read inside each engine actor)."""
+    return sum(ray.get([e.__ray_call__.remote(lambda self, sid=session_id: sid in self._backend.sessions)
+                        for e in srv.state.fleet.engines]))
+
+
+def test_ending_a_session_frees_its_kv_on_the_engine(server):
+    hello = [{"role": "user", "content": "Say hello."}]
+    for sid, how in [("kv-delete", "delete"), ("kv-header", "header")]:
+        status, r = http_call(server.url + "/v1/chat/completions", "POST", {"messages": hello, "max_tokens": 4},
+                              {"X-Session-ID": sid}, timeout=120)
+        assert status == 200, r
+        deadline = time.monotonic() + 10  # the last token's KV reaches the store one engine step after the answer
+        while engines_holding(server, sid) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engines_holding(server, sid) == 1
+        if how == "delete":
+            assert call(server, "DELETE", f"/v1/sessions/{sid}")[0] == 200
+        else:
+            messages = [*hello, r["choices"][0]["message"], {"role": "user", "content": "Bye."}]
+            status, r = http_call(server.url + "/v1/chat/completions", "POST", {"messages": messages, "max_tokens": 4},
+                                  {"X-Session-ID": sid, "X-Session-End": "true"}, timeout=120)
+            # the ended turn's own KV reaches the store a step after its answer: it must be dropped too
+            assert status == 200 and r["session"]["ended"] is True
+        assert engines_holding(server, sid) == 0, how

@@ -223,8 +223,11 @@ class EmbeddedEngine:
         self.sessions.clear()
         return not any(s.req.request.session_id for s in self._running)
 
-    def drop_session(self, session_id: str) -> None:
-        """Forget one session's KV now (its conversation ended) instead of waiting for the LRU to evict it."""
+    async def drop_session(self, session_id: str) -> None:
+        """Forget one session's KV now (its conversation ended) instead of waiting for the LRU to evict it. Its
+        last request's KV reaches the store one step after the result (the row is finalizing): wait for that."""
+        while any(s.finalizing and s.req.request.session_id == session_id for s in self._running):
+            await asyncio.sleep(0.005)
         self.sessions.discard(session_id)
 
     @property
