@@ -313,3 +313,18 @@ def test_bad_logprob_settings_are_refused(server, prompt):
     ):
         status, err = post(server, path, body)
         assert status == 400 and err["error"]["param"] == param, (path, err)
+
+
+def test_token_text_of_a_character_split_across_tokens():
+    """A character whose UTF-8 bytes span tokens: alone each token decodes to U+FFFD; vLLM names the first ""
+    and the one that completes the character by the whole character (decoded after the earlier tokens)."""
+    from rollout.serve.logprobs import token_text
+
+    hf = reference(SMOLLM2)
+    decode = hf.decode
+    for s in ("🙂", "日"):
+        ids = hf(s, add_special_tokens=False)["input_ids"]
+        assert len(ids) > 1 and decode(ids[:1]).endswith("\ufffd"), (s, ids)
+        assert token_text(decode, ids[0], []) == ""
+        assert token_text(decode, ids[-1], ids[:-1]) == s
+    assert token_text(decode, hf(" Paris", add_special_tokens=False)["input_ids"][0], [5, 6]) == " Paris"

@@ -198,6 +198,28 @@ def _requests(prompt: list[int], greedy: list[int]) -> list[tuple[str, str, str,
         ("completions sampled seed", "POST", "/v1/completions", {
             "model": NAME, "prompt": prompt, "max_tokens": 12, "temperature": 1.0, "seed": 3, "logprobs": 1,
             "return_token_ids": True}),
+        # vLLM's sampling options (issue 19): min_tokens holding back the stop id of "generate stop id", the k
+        # most likely tokens per position, prompt scores
+        ("generate min_tokens", "POST", gen, {"token_ids": prompt, "sampling_params": {
+            **sp, "stop_token_ids": [greedy[2]], "min_tokens": 4, "logprobs": 1}}),
+        ("generate logprobs=5", "POST", gen, {"token_ids": prompt, "sampling_params": {**sp, "logprobs": 5}}),
+        ("generate logprobs=0", "POST", gen, {"token_ids": prompt, "sampling_params": {**sp, "logprobs": 0}}),
+        ("generate sampled logprobs=4", "POST", gen, {"token_ids": prompt, "sampling_params": {
+            "max_tokens": 8, "temperature": 0.8, "top_k": 3, "seed": 9, "logprobs": 4, "ignore_eos": True}}),
+        ("generate prompt_logprobs", "POST", gen, {"token_ids": prompt, "sampling_params": {
+            "max_tokens": 2, "temperature": 0.0, "prompt_logprobs": 3}}),
+        ("completions min_tokens", "POST", "/v1/completions", {
+            "model": NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "stop_token_ids": [greedy[2]],
+            "min_tokens": 4, "logprobs": 0, "return_token_ids": True}),
+        ("completions logprobs=5", "POST", "/v1/completions", {
+            "model": NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 5,
+            "return_token_ids": True}),
+        ("completions logprobs=3 as ids", "POST", "/v1/completions", {
+            "model": NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 3,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}),
+        ("completions prompt_logprobs", "POST", "/v1/completions", {
+            "model": NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 2,
+            "return_token_ids": True}),
         ("models", "GET", "/v1/models", None),
         ("tokenize text", "POST", "/tokenize", {"model": NAME, "prompt": "Hello, world! 17 + 25 = 42"}),
         ("tokenize chat", "POST", "/tokenize", {"model": NAME, "messages": [{"role": "user", "content": "Hi"}],
@@ -274,6 +296,78 @@ def test_same_tokens_and_logprobs(side_by_side):
         assert finishes[0] == finishes[1], f"{row['route']}: finish reasons {finishes}"
         compared += 1
     assert compared >= 7
+
+
+def _positions(route: str, choice: dict) -> list[list[tuple[Any, float, Any]]]:
+    """Per completion token, the listed alternatives as (token, logprob, rank) in the route's order."""
+    lp = choice.get("logprobs")
+    if not lp:
+        return []
+    if "content" in lp:
+        return [[(e.get("token_id", e.get("token")), e["logprob"], e.get("rank")) for e in c["top_logprobs"]]
+                for c in lp["content"]]
+    return [[(k, v, None) for k, v in d.items()] for d in lp["top_logprobs"]]
+
+
+def _same_alternatives(where: str, ref: list, got: list) -> None:
+    assert len(ref) == len(got), f"{where}: {len(ref)} positions in vLLM's, {len(got)} in tito's"
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert [t for t, _, _ in a] == [t for t, _, _ in b], f"{where} position {i}: {a} vs {b}"
+        assert [r for _, _, r in a] == [r for _, _, r in b], f"{where} position {i}: ranks {a} vs {b}"
+        assert max((abs(x - y) for (_, x, _), (_, y, _) in zip(a, b)), default=0.0) <= LOGPROB_ATOL, (where, i)
+
+
+def _prompt_scores(row: dict, body: dict) -> list:
+    scores = body["prompt_logprobs"] if "generate" in row["route"] else body["choices"][0]["prompt_logprobs"]
+    return [None if d is None else [(k, v["logprob"], v["rank"], v["decoded_token"]) for k, v in d.items()]
+            for d in scores]
+
+
+def test_same_top_logprobs_ranks_and_prompt_scores(side_by_side):
+    """logprobs=k on generate and completions: the same alternatives in the same order (ids, or token texts),
+    the same ranks, logprobs within 1e-3, on greedy and on top-k sampling; prompt_logprobs: the same entries,
+    ranks and decoded tokens per prompt token; min_tokens: the same tokens (checked with the others above)."""
+    compared = 0
+    for row in side_by_side:
+        (vs, vbody), (ts, tbody) = row["vllm"], row["tito"]
+        if vs != 200 or ts != 200:
+            continue
+        for c_ref, c_got in zip(vbody.get("choices", []), tbody.get("choices", [])):
+            ref, got = _positions(row["route"], c_ref), _positions(row["route"], c_got)
+            if any(len(p) > 1 for p in ref):
+                _same_alternatives(row["route"], ref, got)
+                compared += 1
+            if "generate" in row["route"] and c_ref.get("logprobs"):
+                assert ([e["rank"] for e in c_ref["logprobs"]["content"]]
+                        == [e["rank"] for e in c_got["logprobs"]["content"]]), row["route"]
+        if "prompt_logprobs" in row["route"]:
+            ref, got = _prompt_scores(row, vbody), _prompt_scores(row, tbody)
+            assert len(ref) == len(got) and ref[0] is None and got[0] is None, row["route"]
+            for i, (a, b) in enumerate(zip(ref[1:], got[1:]), 1):
+                assert [(k, r, d) for k, _, r, d in a] == [(k, r, d) for k, _, r, d in b], (row["route"], i, a, b)
+                assert max(abs(x[1] - y[1]) for x, y in zip(a, b)) <= LOGPROB_ATOL, (row["route"], i)
+            compared += 1
+    assert compared >= 6, compared
+    by = {row["route"]: row for row in side_by_side}
+    stopped = by["generate stop id"]["tito"][1]["choices"][0]["token_ids"]
+    for route in ("generate min_tokens", "completions min_tokens"):
+        ids = by[route]["tito"][1]["choices"][0]["token_ids"]
+        assert len(stopped) == 3 and len(ids) > 4 and stopped[2] not in ids[:4], (route, stopped, ids)
+
+
+def test_chat_logprobs_side_by_side(servers):
+    """Chat with logprobs and top_logprobs=5, greedy: the same tokens, texts, bytes and alternatives (the chat
+    answer's other keys are not compared here)."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": "What is 17 + 25? Answer with the number."}],
+            "max_tokens": 8, "temperature": 0.0, "logprobs": True, "top_logprobs": 5}
+    (vs, ref), (ts, got) = (_call(servers[name], "POST", "/v1/chat/completions", body) for name in ("vllm", "tito"))
+    assert vs == ts == 200, (ref, got)
+    a, b = ref["choices"][0]["logprobs"], got["choices"][0]["logprobs"]
+    assert not shape_differences(shape(a), shape(b)), shape_differences(shape(a), shape(b))
+    assert [(e["token"], e["bytes"]) for e in a["content"]] == [(e["token"], e["bytes"]) for e in b["content"]]
+    _same_alternatives("chat", _positions("chat", ref["choices"][0]), _positions("chat", got["choices"][0]))
+    assert [[e["bytes"] for e in c["top_logprobs"]] for c in a["content"]] == [
+        [e["bytes"] for e in c["top_logprobs"]] for c in b["content"]]
 
 
 def test_vllm_validation_error_reaches_the_client(side_by_side):

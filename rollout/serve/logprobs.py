@@ -14,7 +14,8 @@ to the first keeps the first place, with the top-k's rank), and each route reads
 * ``prompt_logprobs = k``: per prompt token (the first is null) the dict itself, ``{"<id>": {logprob, rank,
   decoded_token}}`` with ``k + 1`` entries at most.
 
-Logprobs of -inf (a token the sampler's filters removed) are sent as -9999.0, as vLLM does.
+Logprobs of -inf (a token the sampler's filters removed) are sent as -9999.0, as vLLM does. A token's text is
+its own decoding, corrected as vLLM corrects it where that ends in U+FFFD (:func:`token_text`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,40 @@ FLOOR = -9999.0
 
 def clamp(logprob: float) -> float:
     return logprob if logprob >= FLOOR or math.isnan(logprob) else FLOOR
+
+
+Decode = Callable[[list[int]], str]  # the tokenizer's decode of a list of ids (special tokens kept)
+
+
+def token_text(decode: Decode, token: int, context: list[int]) -> str:
+    """vLLM's text for a logprob entry: ``decode([token])``, unless that ends in U+FFFD (part of a character
+    whose bytes span tokens). Then, as vLLM's ``_correct_decoded_token``: decoded after the last 1..4 tokens of
+    ``context`` (the sequence's tokens before this position), the text this token adds (what earlier
+    incomplete tokens left undecoded included), or "" while the character is still incomplete."""
+    text = decode([token])
+    if not text.endswith("\ufffd"):
+        return text
+    for n in range(1, min(len(context), 4) + 1):
+        ctx = context[-n:]
+        full = decode([*ctx, token])
+        if full.endswith("\ufffd"):
+            continue
+        clean = len(ctx)
+        for j in range(len(ctx) - 1, -1, -1):  # context tokens that were themselves incomplete
+            if decode([ctx[j]]).endswith("\ufffd"):
+                clean = j
+            else:
+                break
+        prefix = decode(ctx[:clean]) if clean else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        common = 0
+        for a, b in zip(prefix, full):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+    return ""
 
 
 def entries(token: int, logprob: float, scores: TokenLogprobs | None) -> list[tuple[int, float, int | None]]:
@@ -62,55 +97,61 @@ def generate_logprobs(ids: list[int], lps: list[float], tops: list[TokenLogprobs
     return ChoiceLogprobs(content)
 
 
-def completion_logprobs(decode: Callable[[int], str], ids: list[int], lps: list[float],
-                        tops: list[TokenLogprobs] | None, k: int, as_ids: bool) -> dict:
+def completion_logprobs(decode: Decode, ids: list[int], lps: list[float], tops: list[TokenLogprobs] | None, k: int,
+                        as_ids: bool, context: list[int] = ()) -> dict:
     """OpenAI's legacy completion logprobs as vLLM fills them: per token its text (``"token_id:<id>"`` with
     ``return_tokens_as_token_ids``), logprob, ``top_logprobs`` (the sampled token and the ``k`` most likely,
-    keyed by text) and ``text_offset``, where its text starts in the completion's text (each token's own
-    decoding, summed; vLLM counts the same way)."""
-    def name(t: int) -> str:
-        return f"token_id:{t}" if as_ids else decode(t)
+    keyed by text) and ``text_offset``, where its text starts in the completion's text (each token's text,
+    summed; vLLM counts the same way). ``context``: the completion's tokens before ``ids`` (a stream's delta)."""
+    seq = [*context, *ids]
 
-    tokens = [name(t) for t in ids]
+    def name(t: int, i: int) -> str:
+        return f"token_id:{t}" if as_ids else token_text(decode, t, seq[max(0, i - 4 + len(context)): i + len(context)])
+
+    tokens = [name(t, i) for i, t in enumerate(ids)]
     offsets, at = [], 0
     for text in tokens:
         offsets.append(at)
         at += len(text)
-    top = [{name(tid): clamp(v) for tid, v, _ in entries(t, lp, tops[i] if tops else None)[: k + 1]}
+    top = [{name(tid, i): clamp(v) for tid, v, _ in entries(t, lp, tops[i] if tops else None)[: k + 1]}
            for i, (t, lp) in enumerate(zip(ids, lps))]
     return {"tokens": tokens, "token_logprobs": [clamp(lp) for lp in lps], "top_logprobs": top,
             "text_offset": offsets}
 
 
-def chat_logprobs(decode: Callable[[int], str], ids: list[int], lps: list[float],
-                  tops: list[TokenLogprobs] | None, k: int | None, as_ids: bool) -> dict:
+def chat_logprobs(decode: Decode, ids: list[int], lps: list[float], tops: list[TokenLogprobs] | None,
+                  k: int | None, as_ids: bool, context: list[int] = ()) -> dict:
     """Chat's ``logprobs.content``: per token its text (or ``"token_id:<id>"``), logprob, the UTF-8 bytes of
-    its text, and ``top_logprobs``: the first ``k`` of the sampled token and the most likely ones."""
-    def name(t: int) -> str:
-        return f"token_id:{t}" if as_ids else decode(t)
-
+    its text, and ``top_logprobs``: the first ``k`` of the sampled token and the most likely ones, each with
+    the bytes of what it is named by (vLLM's choices)."""
+    seq = [*context, *ids]
     content = []
     for i, (t, lp) in enumerate(zip(ids, lps)):
+        before = seq[max(0, i + len(context) - 4): i + len(context)]
+        text = token_text(decode, t, before)
         cands = entries(t, lp, tops[i] if tops else None)[: k or 0]
-        content.append({"token": name(t), "logprob": clamp(lp), "bytes": list(decode(t).encode("utf-8", "replace")),
-                        "top_logprobs": [{"token": name(tid), "logprob": clamp(v),
-                                          "bytes": list(name(tid).encode("utf-8", "replace"))}
-                                         for tid, v, _ in cands]})
+        names = [f"token_id:{tid}" if as_ids else token_text(decode, tid, before) for tid, _, _ in cands]
+        content.append({"token": f"token_id:{t}" if as_ids else text, "logprob": clamp(lp),
+                        "bytes": list(text.encode("utf-8", "replace")),
+                        "top_logprobs": [{"token": name, "logprob": clamp(v), "bytes": list(name.encode("utf-8", "replace"))}
+                                         for name, (_, v, _) in zip(names, cands)]})
     return {"content": content}
 
 
-def prompt_logprobs(decode: Callable[[int], str], prompt: list[int],
+def prompt_logprobs(decode: Decode, prompt: list[int],
                     scores: list[TokenLogprobs | None] | None) -> list[dict[str, Any] | None] | None:
     """vLLM's ``prompt_logprobs``: null first, then per prompt token ``{"<id>": {logprob, rank,
-    decoded_token}}``, the prompt token first."""
+    decoded_token}}``, the prompt token first. (vLLM's text correction takes its context from the scored
+    positions, so never from the first prompt token.)"""
     if scores is None:
         return None
     out: list[dict[str, Any] | None] = []
-    for t, s in zip(prompt, scores):
+    for i, (t, s) in enumerate(zip(prompt, scores)):
         if s is None:
             out.append(None)
             continue
-        out.append({str(tid): {"logprob": clamp(v), "rank": r, "decoded_token": decode(tid)}
+        before = prompt[max(1, i - 4): i]
+        out.append({str(tid): {"logprob": clamp(v), "rank": r, "decoded_token": token_text(decode, tid, before)}
                     for tid, v, r in entries(t, s.logprob, s)})
     return out
 

@@ -175,9 +175,8 @@ def system_fingerprint() -> str:
 
 
 def token_decoder(state: ServerState):
-    """One token's text, as vLLM's logprobs name a token (its own decoding, special tokens included)."""
-    tok = state.parser.tokenizer
-    return lambda t: tok.decode([t])
+    """The tokenizer's decode as vLLM's logprobs name tokens with it (special tokens kept): ids -> text."""
+    return state.parser.tokenizer.decode
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------

@@ -63,6 +63,7 @@ def stream_completion(state: ServerState, request: Request, body: CompletionsBod
     async def events() -> AsyncIterator[bytes]:
         texts = c.texts(decode_text)
         first = [True] * req.sampling.n
+        sent: list[list[int]] = [[] for _ in range(req.sampling.n)]  # each completion's ids so far
         try:
             async for item in calls.sample_stream(state, request, req, c.key, texts):
                 if isinstance(item, StreamDelta):
@@ -73,12 +74,13 @@ def stream_completion(state: ServerState, request: Request, body: CompletionsBod
                     if body.logprobs is not None and item.logprobs is not None:
                         ch["logprobs"] = completion_logprobs(token_text, item.token_ids, item.logprobs,
                                                              item.top_logprobs, body.logprobs,
-                                                             body.return_tokens_as_token_ids)
+                                                             body.return_tokens_as_token_ids, sent[i])
                     if body.return_token_ids:
                         ch["token_ids"] = item.token_ids
                         if first[i]:
                             ch["prompt_token_ids"] = prompt
                     first[i] = False
+                    sent[i] += item.token_ids
                     if piece or len(ch) > 5 or ch["logprobs"] is not None:
                         yield chunk([ch])
                     continue
@@ -155,7 +157,8 @@ def stream_chat(state: ServerState, request: Request, body: ChatBody, c: Call, t
                     ch: dict[str, Any] = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
                     if body.logprobs and item.logprobs is not None:
                         ch["logprobs"] = chat_logprobs(token_text, item.token_ids, item.logprobs, item.top_logprobs,
-                                                       body.top_logprobs, body.return_tokens_as_token_ids)
+                                                       body.top_logprobs, body.return_tokens_as_token_ids,
+                                                       ids[i][: len(ids[i]) - len(item.token_ids)])
                     if body.return_token_ids:
                         ch["token_ids"] = item.token_ids
                     if delta or ch["logprobs"] is not None or body.return_token_ids:
