@@ -12,6 +12,7 @@ import asyncio
 import os
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -151,6 +152,27 @@ def test_batch_composition_does_not_change_greedy(env):
     batched = outs[1].results[0]
     assert batched.completion_ids == alone.completion_ids
     assert max(abs(a - b) for a, b in zip(batched.logprobs, alone.logprobs)) <= 1e-4
+
+
+def test_scores_do_not_depend_on_the_batch(env):
+    """prompt_logprobs and top_logprobs of requests admitted in one packed step, between a plain request and
+    one that asks for both, equal the same requests run alone (the packed forward keeps every position of a
+    scored prompt and the last position of the others: the indices must not shift)."""
+    plain = req("b-plain", PROMPT[:20], max_tokens=4)
+    scored = req("b-scored", PROMPT, max_tokens=4, prompt_logprobs=2, top_logprobs=3)
+    tail = req("b-tail", USER_TURN, max_tokens=4, top_logprobs=2, prompt_logprobs=1)
+    together = gather(env, plain, scored, tail)
+    alone = [gen(env, msgspec.structs.replace(r, request_id=r.request_id + "-alone")) for r in (plain, scored, tail)]
+    for a, b in zip(together, alone):
+        assert a.results[0].completion_ids == b.results[0].completion_ids
+        for x, y in zip(a.results[0].top_logprobs or [], b.results[0].top_logprobs or []):
+            assert x.top_ids == y.top_ids and x.rank == y.rank and abs(x.logprob - y.logprob) < 1e-4
+        if b.prompt_logprobs is not None:
+            assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+            for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+                assert x.top_ids == y.top_ids and x.rank == y.rank
+                assert max(abs(p - q) for p, q in zip([x.logprob, *x.top_logprobs], [y.logprob, *y.top_logprobs])) < 1e-4
+    assert together[0].prompt_logprobs is None and together[0].results[0].top_logprobs is None
 
 
 def test_short_request_overtakes_long_one(env):

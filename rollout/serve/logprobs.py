@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engines.protocol import TokenLogprobs
-from .schemas import ChoiceLogprobs, TokenLogprob, TopLogprob
+from .schemas import ChoiceLogprobs, TokenLogprob, TopLogprob, VLLMSamplingParams
+
+if TYPE_CHECKING:
+    from .state import ServerState
 
 # a logprob JSON can carry: vLLM's floor for -inf
 FLOOR = -9999.0
@@ -156,7 +159,7 @@ def prompt_logprobs(decode: Decode, prompt: list[int],
     return out
 
 
-def generate_extras(state: Any, sp: Any) -> dict[str, Any]:
+def generate_extras(state: ServerState, sp: VLLMSamplingParams) -> dict[str, Any]:
     """/inference/v1/generate's vLLM settings for the engine: min_tokens, prompt_logprobs, and the top
     logprobs that fill ``sampling_params.logprobs = k`` (the first max(k, 1) entries: ranks from k = 0, the
     alternatives from k = 2)."""
