@@ -18,7 +18,7 @@ A caller may also pass the history itself (``GenericRenderer.bridge(..., history
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -151,7 +151,7 @@ def full_bridge(
     assistant: dict,
     msgs: list[dict],
     tools: list[dict] | None,
-    closing_ids: set[int],
+    closing_ids: Collection[int],
     why: str,
 ) -> Bridged | Break:
     """Bridge by rendering ``history + [assistant] + msgs``: the render's tail when its ids start with

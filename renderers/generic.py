@@ -54,14 +54,18 @@ from .long_pieces import encode_pieces
 from .messages import MessageError, normalize_messages, normalize_tools
 from .pieces import Piece
 from .probe import Probe, probe_template
+from .recipes import applies, fill, plain, sentinel, split_parts, split_segments, with_slots
 from .template_env import compile_template, defused_template
 from .tokenizer import Tokenizer
+from .tracked import trace_render, tracked
 from .types import Capabilities, ParsedResponse, RenderedTokens
 
 # Private-use characters: defusing markers, and marking message text. Inputs that contain any of them
 # are rendered without marks (coarser attribution), never wrongly.
 _END_OF_TEXT = re.compile(r"<\|?(endoftext|end_of_text|eos)\|?>|<｜end▁of▁sentence｜>")
-_PROBE_CACHE: dict[tuple, tuple[Any, Probe]] = {}  # (template sha256, backend id, kwargs) -> (backend, probe)
+_PROBE_CACHE: dict[tuple, tuple[Any, Probe]] = {}
+_TEXT_FIELDS = ("content", "reasoning_content")  # a message's texts, as the annotation marks them
+_RENDER_RECIPES = 1024  # render recipes (and shapes seen once) kept per renderer  # (template sha256, backend id, kwargs) -> (backend, probe)
 
 
 class GenericRenderer(GenericBridge, Renderer):
@@ -92,6 +96,8 @@ class GenericRenderer(GenericBridge, Renderer):
         self._probes: dict[tuple, Probe] = {}
         self._conversations = Conversations()  # prompt ids -> their messages, for the full-render bridge
         self._recipes: dict = {}  # bridge shape -> its splice recipe (renderers/generic_bridge.py)
+        self._render_recipes: dict = {}  # conversation shape -> its render recipe (_render_by_recipe)
+        self._render_shapes: dict = {}  # shapes rendered once (a recipe is built the second time)
         base = self._probe({})
         # per template, not per class: what the probe found
         self.template_kwargs_allowed = dict(base.kwargs)
@@ -198,7 +204,89 @@ class GenericRenderer(GenericBridge, Renderer):
         return template.render(msgs, tools, agp, self.special, **self.template_kwargs)
 
     def _render_tokens(self, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> RenderedTokens:
+        fast = self._render_by_recipe(msgs, tools, add_generation_prompt)
+        if fast is not None:
+            return fast
         return encode_pieces(self.tokenizer, self._pieces(msgs, tools, add_generation_prompt))
+
+    def _render_by_recipe(self, msgs: list[dict], tools: list[dict] | None, agp: bool) -> RenderedTokens | None:
+        """The render from the recipe of this conversation's shape (renderers/recipes.py), or None.
+
+        The shape is everything but the texts (each message's content and reasoning with a non-space
+        character): roles, tool calls, other fields, tools, the generation prompt and the template
+        kwargs. A shape's recipe is built the second time it is rendered (GRPO groups, a task set's
+        prompts, a session's turns share shapes; a shape seen once costs only its key): the pieces of
+        the conversation with a sentinel for each text and the trace of what the template does with
+        the texts. It applies where the texts are plain and the template's tests of them give the
+        sentinels' answers: then no template render is needed, only the runs holding the texts are
+        encoded. Otherwise the render runs as before."""
+        if self.thinking_retention == "template" or len(msgs) > MAX_MARKED // 2:
+            return None
+        texts: list[str] = []
+        shape = []
+        for m in msgs:
+            fields = []
+            for k, v in m.items():
+                if k in _TEXT_FIELDS and v.__class__ is str and v.strip():
+                    texts.append(v)
+                    fields.append(k)
+                else:
+                    fields.append((k, v if v.__class__ is str or v is None else repr(v)))
+            shape.append(tuple(fields))
+        if not texts or not plain(texts, self._added_re):
+            return None
+        kwargs = self.template_kwargs
+        if self.__dict__.get("_kwargs_key", (None,))[0] is not kwargs:
+            self._kwargs_key = (kwargs, repr(sorted(kwargs.items())))
+        key = (tuple(shape), None if tools is None else repr(tools), agp, self._kwargs_key[1])
+        recipes = self._render_recipes
+        recipe = recipes.get(key)
+        if recipe is None:
+            if len(recipes) >= _RENDER_RECIPES:
+                recipes.clear()
+            seen = self._render_shapes
+            if key not in seen:  # the first time: remember the shape only
+                if len(seen) >= _RENDER_RECIPES:
+                    seen.clear()
+                seen[key] = None
+                return None
+            recipe = recipes[key] = self._render_recipe(msgs, tools, agp, len(texts))
+        if recipe is False:
+            return None
+        parts, segments, trace = recipe
+        if not trace.holds(texts) or applies(parts, texts) is None:
+            return None
+        return fill(self.tokenizer, segments, texts)
+
+    def _render_recipe(self, msgs: list[dict], tools: list[dict] | None, agp: bool, count: int):
+        """(the text as parts, the pieces as segments, the trace) for ``msgs``' shape, or False where
+        it has none: a sentinel not rendered once as one content piece of its own, or a template that
+        does with a text what no test covers (renderers/tracked.py)."""
+        marked, traced, n = [], [], 0
+        for m in msgs:
+            mm, tm = dict(m), dict(m)
+            for k in _TEXT_FIELDS:
+                v = m.get(k)
+                if v.__class__ is str and v.strip():
+                    mm[k], tm[k] = sentinel(n), tracked(sentinel(n), n)
+                    n += 1
+            marked.append(mm)
+            traced.append(tm)
+        try:
+            pieces = self._pieces(marked, tools, agp)
+        except TemplateRejected:
+            return False
+        added_by_id = self._added_by_id
+        full = "".join(v if v.__class__ is str else added_by_id[v] for v, *_ in pieces)
+        parts = split_parts(full, count)
+        slotted = with_slots(pieces, count) if parts is not None else None
+        if slotted is None:
+            return False
+        ctx = self.template.context(traced, tools, agp, self.special, **self.template_kwargs)
+        text, trace = trace_render(self.template.source, ctx)
+        if trace.unsafe is not None or text != full:
+            return False
+        return parts, split_segments(self.tokenizer, slotted), trace
 
     def _pieces(self, msgs: list[dict], tools: list[dict] | None, agp: bool, boundaries: bool = True) -> list[Piece]:
         """The rendered conversation as pieces: special token ids and attributed runs of text."""

@@ -9,24 +9,21 @@ that render extends the previous ids exactly (renderers/full_bridge.py).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from .annotate import glued
 from .base import TemplateRejected, bridged, empty_prompt_break
+from .dialects import dialect_for
 from .full_bridge import assistant_message, full_bridge
 from .long_pieces import encode_pieces
 from .messages import MessageError, normalize_messages
 from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, closers, splice_point
+from .recipes import applies, fill, plain, sentinel, split_parts, split_segments, with_slots
 from .recover import recover_conversation
 from .tracked import Trace, trace_render, tracked
 from .types import Break, BreakReason, Bridged, RenderedTokens
 
-# Recipes of the splice (``_splice_by_recipe``): at most this many shapes per renderer; a text's index
-# in a recipe's tail is stored as _RECIPE_SENTINEL + i (special token ids are far below it).
+# Recipes of the splice (``_splice_by_recipe``, renderers/recipes.py): at most this many shapes per renderer
 _RECIPES = 1024
-_RECIPE_SENTINEL = 1 << 40
-_UNSAFE = re.compile("[\U000f0000-\U0010ffff]")  # supplementary private use: the sentinels' planes
 
 # Breaks of the splice that say this conversation's render is not append-only: the full render decides.
 _RENDER_IN_FULL = (BreakReason.TEMPLATE_NOT_APPEND_ONLY, BreakReason.SYSTEM_MESSAGE_MOVES, BreakReason.NO_SPECIAL_TOKEN_ANCHOR)
@@ -82,8 +79,7 @@ class GenericBridge:
         # as sampled); anything else (cut off, or another stop id such as an end-of-text) gets the close
         # the template puts after a reply followed by more messages, synthesized as context.
         last = completion[-1] if completion else None
-        added = self.tokenizer.added_tokens
-        closing_ids = {added[t] for t in (*probe.stop_tokens, probe.history_close) if t}
+        closing_ids = self._closing_ids(probe)
         closing = last not in closing_ids
         if closing and probe.close_gap:
             return Break(
@@ -104,6 +100,14 @@ class GenericBridge:
             self._conversations.extend(prev_prompt_ids, completion, result.appended.token_ids, msgs, tool_defs,
                                        self.template_kwargs)
         return result
+
+    def _closing_ids(self, probe) -> frozenset[int]:
+        """The ids the template closes a turn with (its stop tokens and the history close)."""
+        cached = self.__dict__.get("_closers")
+        if cached is None or cached[0] is not probe:
+            added = self.tokenizer.added_tokens
+            cached = self._closers = (probe, frozenset(added[t] for t in (*probe.stop_tokens, probe.history_close) if t))
+        return cached[1]
 
     def _bridge_in_full(self, prompt, completion, msgs, tools, history, why, closing_ids, splice_break) -> Bridged | Break:
         """The full-render bridge (renderers/full_bridge.py) for the conversation behind ``prompt``; where
@@ -140,8 +144,13 @@ class GenericBridge:
     def _shape(self, completion: list[int]) -> tuple[tuple[str, ...], bool]:
         """What the sentinel histories take from the sampled turn: its tool calls' names (templates render
         tool results by them) and whether it reasons (to see what the template drops)."""
-        parsed = self.parse_response(completion)
-        return tuple(c.name or PROBE_CALL["function"]["name"] for c in parsed.tool_calls), bool(parsed.reasoning_content)
+        dialect = dialect_for(self.tokenizer)
+        if dialect is not None:  # the parse without decoding the content or typing arguments
+            names, reasons = dialect.call_names_and_reasoning(completion, self.stop_token_ids)
+        else:
+            parsed = self.parse_response(completion)
+            names, reasons = tuple(c.name or "" for c in parsed.tool_calls), bool(parsed.reasoning_content)
+        return tuple(name or PROBE_CALL["function"]["name"] for name in names), reasons
 
     @staticmethod
     def _histories(shape: tuple[tuple[str, ...], bool]) -> list[list[dict]]:
@@ -183,9 +192,7 @@ class GenericBridge:
         if self.thinking_retention == "template":
             return None
         texts = [m.get("content") for m in msgs]
-        if not all(t.__class__ is str and t.strip() and not _UNSAFE.search(t) for t in texts):
-            return None
-        if self._added_re is not None and any(self._added_re.search(t) for t in texts):
+        if not plain(texts, self._added_re):
             return None
         kwargs = self.template_kwargs
         if self.__dict__.get("_kwargs_key", (None,))[0] is not kwargs:
@@ -201,89 +208,30 @@ class GenericBridge:
         if recipe is False:
             return None
         history, parts, segments, closing, trace = recipe
-        expected = [part if part.__class__ is str else texts[part] for part in parts]
-        full = "".join(expected)
+        full = applies(parts, texts)
+        if full is None:
+            return None
         # the render is the recipe's text with the texts put in where the template asked these texts what
         # it asked the sentinels and got the same answers (renderers/tracked.py); else it is rendered
-        if trace is None or not trace.holds(texts):
-            if self._try_text([*history, *msgs], tools, True) != full:
-                return None  # the template renders these texts unlike the sentinels: the full splice decides
-        pos = 0
-        for part, text in zip(parts, expected):
-            if part.__class__ is not str:
-                # the annotation's rule: a text whose core touches a letter or digit of the template is
-                # not marked as content (BPE merges it with the template's text)
-                lead = len(text) - len(text.lstrip())
-                if glued(full, pos + lead, pos + lead + len(text.strip())):
-                    return None
-            pos += len(text)
-        ids: list[int] = []
-        message_indices: list[int] = []
-        is_content: list[bool] = []
-        for segment in segments:
-            if segment.__class__ is not RenderedTokens:  # a run holding texts: encoded with them put in
-                # kept verbatim, edge whitespace included: the content span is the whole text, as the annotation finds
-                segment = encode_pieces(self.tokenizer, [
-                    (texts[v - _RECIPE_SENTINEL], k, True, s) if v.__class__ is int and v >= _RECIPE_SENTINEL
-                    else (v, k, c, s) for v, k, c, s in segment])
-            ids += segment.token_ids
-            message_indices += segment.message_indices
-            is_content += segment.is_content
-        return RenderedTokens(ids, message_indices, [False] * len(ids), is_content), closing  # all unsampled
+        if (trace is None or not trace.holds(texts)) and self._try_text([*history, *msgs], tools, True) != full:
+            return None  # the template renders these texts unlike the sentinels: the full splice decides
+        return fill(self.tokenizer, segments, texts), closing  # (all unsampled: context)
 
     def _recipe(self, histories, msgs, tools, needs_close):
-        """(history, the full text as literal parts and text indices, tail pieces with text indices as
-        ``_RECIPE_SENTINEL + i``, closing, the trace of what the template does with the texts or None),
+        """(history, the full text as literal parts and text indices, the tail's segments
+        (renderers/recipes.py), closing, the trace of what the template does with the texts or None),
         or False where the shape has none (a sentinel not rendered exactly once, as one content piece of
         its own)."""
-        sentinels = [chr(0xF8300 + i) for i in range(len(msgs))]
-        marked = [{**m, "content": sentinels[i]} for i, m in enumerate(msgs)]
+        marked = [{**m, "content": sentinel(i)} for i, m in enumerate(msgs)]
         spliced = self._splice_tail(histories, marked, tools, needs_close, 0)
         if isinstance(spliced, Break):
             return False
         tail, closing, history, full = spliced
-        if any(full.count(c) != 1 for c in sentinels):
+        parts = split_parts(full, len(msgs))
+        slotted = with_slots(tail, len(msgs)) if parts is not None else None
+        if slotted is None:
             return False
-        parts: list[str | int] = []
-        pos = 0
-        for at, i in sorted((full.index(c), i) for i, c in enumerate(sentinels)):
-            parts += [full[pos:at], i] if at > pos else [i]
-            pos = at + 1
-        parts.append(full[pos:])
-        by_text = {c: i for i, c in enumerate(sentinels)}
-        recipe_tail = []
-        for text, k, is_content, sampled in tail:
-            if text.__class__ is str and any(c in text for c in sentinels):
-                if text not in by_text or not is_content:
-                    return False
-                text = _RECIPE_SENTINEL + by_text[text]
-            recipe_tail.append((text, k, is_content, sampled))
-        return history, parts, self._segments(recipe_tail), closing, self._trace(history, marked, tools, full)
-
-    def _segments(self, tail: list) -> list:
-        """The recipe's tail as segments: encoded tokens where no text goes (special tokens and the runs
-        between them), the pieces of each run that holds a text. A run ends at a special token, which
-        tokenization never crosses, so encoding the segments apart gives the tail's tokens."""
-        runs: list[list] = [[]]
-        for piece in tail:
-            value = piece[0]
-            if value.__class__ is int and value < _RECIPE_SENTINEL:  # a special token: a run of its own
-                runs += [[piece], []]
-            else:
-                runs[-1].append(piece)
-        segments: list = []
-        fixed: list = []
-        for run in runs:
-            if any(v.__class__ is int and v >= _RECIPE_SENTINEL for v, *_ in run):
-                if fixed:
-                    segments.append(encode_pieces(self.tokenizer, fixed))
-                    fixed = []
-                segments.append(run)
-            else:
-                fixed += run
-        if fixed:
-            segments.append(encode_pieces(self.tokenizer, fixed))
-        return segments
+        return history, parts, split_segments(self.tokenizer, slotted), closing, self._trace(history, marked, tools, full)
 
     def _trace(self, history, marked, tools, full) -> Trace | None:
         """What the template does with the new messages' texts (renderers/tracked.py), where the traced

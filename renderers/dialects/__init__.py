@@ -135,6 +135,24 @@ class Dialect:
             calls.extend(type_call(c, offered.schemas) if self.types_arguments(c) else c for c in block)
         return scan.response(calls, self.tokenizer.decode)
 
+    def call_names_and_reasoning(self, completion_ids: Sequence[int], stop_ids: Collection[int]) -> tuple[tuple[str, ...], bool]:
+        """What :meth:`parse` would give as its calls' names (``""`` for a call without one) and whether its
+        reasoning holds text, without decoding the content or typing arguments: the shape of a sampled
+        turn that the generic bridge's sentinel history copies. A dialect with a ``parse`` of its own
+        (Harmony, Gemma 4, Llama 3 JSON, Mistral) answers from it."""
+        if type(self).parse is not Dialect.parse:
+            parsed = self.parse(completion_ids, stop_ids=stop_ids)
+            return tuple(c.name or "" for c in parsed.tool_calls), bool(parsed.reasoning_content)
+        structure = {*(self.think_ids or ()), *(self.call_ids or ()), *(self.section_ids or ())}
+        ids = list(completion_ids)
+        scan = scan_ids(ids, stop_ids=frozenset(stop_ids) - structure, think=self.think_ids, call=self.call_ids,
+                        section=self.section_ids, restart=self.restart)
+        offered = Offered(None, None)
+        names = tuple(c.name or "" for start, end, closed in scan.calls
+                      for c in self.parse_block(ids[start + 1 : end - 1 if closed else end], (start, end), offered))
+        reasons = scan.saw_reasoning and bool(scan.reasoning) and bool(self.tokenizer.decode(scan.reasoning).strip())
+        return names, reasons
+
     def parse_block(self, body_ids: list[int], span: tuple[int, int], offered: Offered) -> list[ToolCall]:
         """The calls between one pair of call markers; one by default (``parse_call``)."""
         return [self.parse_call(body_ids, span, offered)]
