@@ -65,7 +65,7 @@ def test_recipe_renders_match_the_reference(case: GenericCase) -> None:
     recipe = r._render_by_recipe
     hits: list[bool] = []
     r._render_by_recipe = lambda *a: hits.append((out := recipe(*a)) is not None) or out
-    for conv in generate(case.seed, 60):
+    for conv in generate(case.seed, 30):
         if any(not isinstance(m.get("content"), (str, type(None))) for m in conv.messages):
             continue  # content parts: not a recipe shape
         for agp in (False, True):
@@ -83,4 +83,4 @@ def test_recipe_renders_match_the_reference(case: GenericCase) -> None:
                     assert (got.message_indices, got.sampled_mask, got.is_content) == (
                         full.message_indices, full.sampled_mask, full.is_content), (case.id, messages)
                 compared += 1
-    assert compared >= 100 and used >= 10, (case.id, compared, used)  # the recipe path was exercised
+    assert compared >= 40 and used >= 5, (case.id, compared, used)  # the recipe path was exercised
