@@ -89,10 +89,12 @@ async def generate(state: ServerState, request: Request) -> Response:
                                   **generate_extras(state, sp))
     except BadRequest as exc:
         raise BadRequest(str(exc), f"sampling_params.{exc.param}" if exc.param else None) from None
-    # the salt keys the engine's session KV too: requests sharing a salt share their prefix cache
-    req = GenerateRequest(request_id=rid, prompt_ids=body.token_ids, sampling=sampling, session_id=body.cache_salt)
+    # The salt, else the X-Session-ID header verifiers' TrainClient and SkyRL send, keys the engine's session
+    # KV and the routing: the turns of one rollout reuse their KV on the engine that holds it.
+    session = body.cache_salt or request.headers.get("x-session-id") or None
+    req = GenerateRequest(request_id=rid, prompt_ids=body.token_ids, sampling=sampling, session_id=session)
     calls.validated(state, req, prefix="sampling_params.", prompt_param="token_ids")
-    out, call_s = await calls.generate(state, request, req, body.cache_salt)
+    out, call_s = await calls.generate(state, request, req, session)
     want_lp = sp.logprobs is not None
     choices = []
     for i, r in enumerate(out.results):
