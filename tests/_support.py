@@ -8,6 +8,7 @@ except under ``CI=true``, where a missing fixture is a failure.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -196,3 +197,36 @@ def run_in_venv(root: Path, script: str, *args: str, cwd: Path, timeout: float =
                           timeout=timeout, cwd=cwd, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# The embedded SmolLM2 engine, sized to share this 2-core machine with the test process and Ray
+EMBEDDED_ENGINE = ["engine.backend=embedded", "engine.num_cpus=0.5",
+                   "engine.options={threads: 1, max_batch: 8, max_model_len: 2048}"]
+
+
+@contextlib.contextmanager
+def serving(tmp_path_factory, namespace: str, settings: list[str], engine_options: dict | None = None):
+    """``tito serve`` on loopback in this process, over a local Ray of its own (a module fixture's body):
+    ``settings`` are ServeConfig ``--set`` items; ``engine_options`` replaces the engine's options with
+    values ``--set`` cannot spell. Stops the server, its actors and that Ray afterwards."""
+    import ray
+
+    from rollout.config import ServeConfig, load_config
+    from rollout.serve.launch import ServerThread, build_state
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+             namespace=namespace, _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+    try:
+        cfg = load_config(None, settings, schema=ServeConfig)
+        if engine_options is not None:
+            cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"options": engine_options})})
+        state, actors = build_state(cfg)
+        srv = ServerThread(state).start()
+        try:
+            yield srv
+        finally:
+            srv.stop()
+            for actor in actors:
+                ray.kill(actor)
+    finally:
+        ray.shutdown()

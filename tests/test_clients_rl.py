@@ -28,11 +28,19 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray  # noqa: E402
 
-from rollout.config import ServeConfig, load_config  # noqa: E402
 
-from ._support import REPO, SMOLLM2, client_venv, http_call, reference, run_in_venv, smollm2_gguf  # noqa: E402
+from ._support import (  # noqa: E402
+    EMBEDDED_ENGINE,
+    REPO,
+    SMOLLM2,
+    client_venv,
+    http_call,
+    reference,
+    run_in_venv,
+    serving,
+    smollm2_gguf,
+)
 
 MODEL = "smollm2-test"
 EOS = 2  # <|im_end|>, SmolLM2's EOS
@@ -44,20 +52,9 @@ OPENAI_REQUIREMENTS = ["openai>=1.108.1,<3"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from rollout.serve.launch import ServerThread, build_state
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             namespace="tito-test-clients", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
-    cfg = load_config(None, [f"model={smollm2_gguf()}", f"served_model_name={MODEL}", "engine.backend=embedded",
-                             "engine.num_cpus=0.5", "engine.options={threads: 1, max_batch: 8, max_model_len: 2048}"],
-                      schema=ServeConfig)
-    state, actors = build_state(cfg)
-    srv = ServerThread(state).start()
-    yield srv
-    srv.stop()
-    for a in actors:
-        ray.kill(a)
-    ray.shutdown()
+    with serving(tmp_path_factory, "tito-test-clients",
+                 [f"model={smollm2_gguf()}", f"served_model_name={MODEL}", *EMBEDDED_ENGINE]) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import ray  # noqa: E402
 
 from rollout.config import ServeConfig, load_config  # noqa: E402
 
-from ._support import http_call, reference, tokenizer_dir  # noqa: E402
+from ._support import http_call, reference, serving, tokenizer_dir  # noqa: E402
 
 QWEN = "qwen2.5-7b-instruct"
 VOCAB = 151665
@@ -48,26 +48,16 @@ def tool_call_ids() -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from rollout.serve.launch import ServerThread, build_state
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             namespace="tito-test-serve", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
     # the tool-call completion is recorded for the prompt transformers renders: the server finds it only
     # when its own first render is token-identical
     records = [{"prompt_ids": hf_prompt(FIRST, TOOLS), "completion_ids": tool_call_ids(),
                 "logprobs": [-0.5] * len(tool_call_ids()), "finish_reason": "stop", "stop_token_id": IM_END}]
     options = {"synthetic": True, "vocab_size": VOCAB, "max_model_len": MAX_LEN, "token_delay_s": 0.002,
                "records": records}
-    cfg = load_config(None, [f"model={tokenizer_dir(QWEN)}", "served_model_name=qwen-test", "engine.backend=replay",
-                             "engine.count=2", "default_max_tokens=40", "sessions.idle_timeout_s=2"], schema=ServeConfig)
-    cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"options": options})})
-    state, actors = build_state(cfg)
-    srv = ServerThread(state).start()
-    yield srv
-    srv.stop()
-    for a in actors:
-        ray.kill(a)
-    ray.shutdown()
+    with serving(tmp_path_factory, "tito-test-serve",
+                 [f"model={tokenizer_dir(QWEN)}", "served_model_name=qwen-test", "engine.backend=replay", "engine.count=2",
+                  "default_max_tokens=40", "sessions.idle_timeout_s=2"], engine_options=options) as srv:
+        yield srv
 
 
 def request(srv, method: str, path: str, body=None, headers=None, raw: bytes | None = None, timeout=30):

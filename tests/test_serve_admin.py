@@ -23,9 +23,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 
-from rollout.config import ServeConfig, load_config  # noqa: E402
-
-from ._support import SMOLLM2, http_call, reference  # noqa: E402
+from ._support import SMOLLM2, http_call, reference, serving  # noqa: E402
 
 WEIGHT_BYTES = 134_515_008 * 4  # SmolLM2-135M's parameters in fp32
 
@@ -39,20 +37,10 @@ def model_path() -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_path):
-    from rollout.serve.launch import ServerThread, build_state
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             namespace="tito-test-serve-admin", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
-    cfg = load_config(None, [f"model={model_path}", "served_model_name=smollm2-admin", "engine.backend=embedded",
-                             "engine.count=2", "engine.num_cpus=0.5",
-                             "engine.options={threads: 1, max_batch: 4, max_model_len: 1024}"], schema=ServeConfig)
-    state, actors = build_state(cfg)
-    srv = ServerThread(state).start()
-    yield srv
-    srv.stop()
-    for a in actors:
-        ray.kill(a)
-    ray.shutdown()
+    with serving(tmp_path_factory, "tito-test-serve-admin",
+                 [f"model={model_path}", "served_model_name=smollm2-admin", "engine.backend=embedded", "engine.count=2",
+                  "engine.num_cpus=0.5", "engine.options={threads: 1, max_batch: 4, max_model_len: 1024}"]) as srv:
+        yield srv
 
 
 def call(srv, method: str, path: str, body=None, raw: bytes | None = None):

@@ -19,11 +19,9 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray  # noqa: E402
 
-from rollout.config import ServeConfig, load_config  # noqa: E402
 
-from ._support import SMOLLM2, cached_venv, http_call, reference, smollm2_gguf  # noqa: E402
+from ._support import EMBEDDED_ENGINE, SMOLLM2, cached_venv, http_call, reference, serving, smollm2_gguf  # noqa: E402
 
 RENDERERS_PYPI = "0.1.12"
 # openai 3.x depends on httpx2, while renderers 0.1.12's client imports httpx (undeclared): pin openai 2.x
@@ -33,21 +31,9 @@ EOS = 2  # <|im_end|>
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from rollout.serve.launch import ServerThread, build_state
-
-    gguf = smollm2_gguf()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             namespace="tito-test-serve-embedded", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
-    cfg = load_config(None, [f"model={gguf}", "served_model_name=smollm2-test", "engine.backend=embedded",
-                             "engine.num_cpus=0.5", "engine.options={threads: 1, max_batch: 8, max_model_len: 2048}"],
-                      schema=ServeConfig)
-    state, actors = build_state(cfg)
-    srv = ServerThread(state).start()
-    yield srv
-    srv.stop()
-    for a in actors:
-        ray.kill(a)
-    ray.shutdown()
+    with serving(tmp_path_factory, "tito-test-serve-embedded",
+                 [f"model={smollm2_gguf()}", "served_model_name=smollm2-test", *EMBEDDED_ENGINE]) as srv:
+        yield srv
 
 
 def post(srv, path, body, headers=None, timeout=120):
@@ -77,6 +63,24 @@ def test_generate_round_trip(server):
     status, again = post(server, "/inference/v1/generate", {"token_ids": prompt, "sampling_params": {
         "max_tokens": 24, "temperature": 0, "stop_token_ids": [EOS]}})
     assert again["choices"][0]["token_ids"] == choice["token_ids"]  # greedy is deterministic
+
+
+def test_generate_turns_with_a_session_header_reuse_the_engine_kv(server):
+    """verifiers' TrainClient and SkyRL send each rollout's turns to /inference/v1/generate with X-Session-ID
+    and no cache_salt: the second turn is served from the first turn's KV; without the header it is not."""
+    def turn(prompt, headers):
+        status, r = post(server, "/inference/v1/generate", {"token_ids": prompt, "sampling_params": {
+            "max_tokens": 8, "temperature": 0}}, headers)
+        assert status == 200, r
+        return r
+
+    first = hf_prompt([{"role": "user", "content": "Name a fruit."}])
+    for headers, reused in (({"X-Session-ID": "train-rollout-1"}, True), (None, False)):
+        r1 = turn(first, headers)
+        second = [*first, *r1["choices"][0]["token_ids"], *hf_prompt([{"role": "user", "content": "Another."}])]
+        r2 = turn(second, headers)
+        cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert (cached >= len(first)) if reused else cached == 0, (headers, cached)
 
 
 def test_chat_session_bridges_and_reuses_the_engine_kv(server):

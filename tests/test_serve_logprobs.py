@@ -18,12 +18,9 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import ray  # noqa: E402
 import torch  # noqa: E402
 
-from rollout.config import ServeConfig, load_config  # noqa: E402
-
-from ._support import SMOLLM2, http_call, reference, smollm2_gguf  # noqa: E402
+from ._support import EMBEDDED_ENGINE, SMOLLM2, http_call, reference, serving, smollm2_gguf  # noqa: E402
 
 NAME = "smollm2-logprobs"
 EOS = 2  # <|im_end|>, SmolLM2's EOS
@@ -32,21 +29,9 @@ ATOL = 1e-4  # fp32 on CPU: the engine's packed forward and transformers' agree 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from rollout.serve.launch import ServerThread, build_state
-
-    gguf = smollm2_gguf()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             namespace="tito-test-serve-logprobs", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
-    cfg = load_config(None, [f"model={gguf}", f"served_model_name={NAME}", "engine.backend=embedded",
-                             "engine.num_cpus=0.5", "engine.options={threads: 1, max_batch: 8, max_model_len: 2048}"],
-                      schema=ServeConfig)
-    state, actors = build_state(cfg)
-    srv = ServerThread(state).start()
-    yield srv
-    srv.stop()
-    for a in actors:
-        ray.kill(a)
-    ray.shutdown()
+    with serving(tmp_path_factory, "tito-test-serve-logprobs",
+                 [f"model={smollm2_gguf()}", f"served_model_name={NAME}", *EMBEDDED_ENGINE]) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
