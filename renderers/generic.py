@@ -57,7 +57,7 @@ from .probe import Probe, probe_template
 from .recipes import applies, fill, plain, sentinel, split_parts, split_segments, with_slots
 from .template_env import compile_template, defused_template
 from .tokenizer import Tokenizer
-from .tracked import trace_render, tracked
+from .tracked import Trace, trace_render, tracked
 from .types import Capabilities, ParsedResponse, RenderedTokens
 
 # Private-use characters: defusing markers, and marking message text. Inputs that contain any of them
@@ -235,10 +235,7 @@ class GenericRenderer(GenericBridge, Renderer):
             shape.append(tuple(fields))
         if not texts or not plain(texts, self._added_re):
             return None
-        kwargs = self.template_kwargs
-        if self.__dict__.get("_kwargs_key", (None,))[0] is not kwargs:
-            self._kwargs_key = (kwargs, repr(sorted(kwargs.items())))
-        key = (tuple(shape), None if tools is None else repr(tools), agp, self._kwargs_key[1])
+        key = (tuple(shape), None if tools is None else repr(tools), agp, self._kwargs_repr())
         recipes = self._render_recipes
         recipe = recipes.get(key)
         if recipe is None:
@@ -282,11 +279,26 @@ class GenericRenderer(GenericBridge, Renderer):
         slotted = with_slots(pieces, count) if parts is not None else None
         if slotted is None:
             return False
-        ctx = self.template.context(traced, tools, agp, self.special, **self.template_kwargs)
-        text, trace = trace_render(self.template.source, ctx)
-        if trace.unsafe is not None or text != full:
+        trace = self._trace(traced, tools, agp, full)
+        if trace is None:
             return False
         return parts, split_segments(self.tokenizer, slotted), trace
+
+    def _trace(self, msgs: list[dict], tools: list[dict] | None, agp: bool, full: str) -> Trace | None:
+        """What the template does with the :class:`Tracked` texts of ``msgs`` (renderers/tracked.py), where
+        the traced render is ``full`` (the recipe's text) and every use of a text is covered by a test;
+        else None."""
+        ctx = self.template.context(msgs, tools, agp, self.special, **self.template_kwargs)
+        text, trace = trace_render(self.template.source, ctx)
+        return trace if trace.unsafe is None and text == full else None
+
+    def _kwargs_repr(self) -> str:
+        """The template kwargs as a recipe key, computed once per kwargs dict."""
+        kwargs = self.template_kwargs
+        cached = self.__dict__.get("_kwargs_key")
+        if cached is None or cached[0] is not kwargs:
+            cached = self._kwargs_key = (kwargs, repr(sorted(kwargs.items())))
+        return cached[1]
 
     def _pieces(self, msgs: list[dict], tools: list[dict] | None, agp: bool, boundaries: bool = True) -> list[Piece]:
         """The rendered conversation as pieces: special token ids and attributed runs of text."""

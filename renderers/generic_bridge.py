@@ -19,7 +19,7 @@ from .messages import MessageError, normalize_messages
 from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, closers, splice_point
 from .recipes import applies, fill, plain, sentinel, split_parts, split_segments, with_slots
 from .recover import recover_conversation
-from .tracked import Trace, trace_render, tracked
+from .tracked import tracked
 from .types import Break, BreakReason, Bridged, RenderedTokens
 
 # Recipes of the splice (``_splice_by_recipe``, renderers/recipes.py): at most this many shapes per renderer
@@ -194,11 +194,8 @@ class GenericBridge:
         texts = [m.get("content") for m in msgs]
         if not plain(texts, self._added_re):
             return None
-        kwargs = self.template_kwargs
-        if self.__dict__.get("_kwargs_key", (None,))[0] is not kwargs:
-            self._kwargs_key = (kwargs, repr(sorted(kwargs.items())))
         key = (shape, needs_close, repr([{k: v for k, v in m.items() if k != "content"} for m in msgs]),
-               None if tools is None else repr(tools), self._kwargs_key[1])
+               None if tools is None else repr(tools), self._kwargs_repr())
         recipes = self._recipes
         recipe = recipes.get(key)
         if recipe is None:
@@ -231,15 +228,8 @@ class GenericBridge:
         slotted = with_slots(tail, len(msgs)) if parts is not None else None
         if slotted is None:
             return False
-        return history, parts, split_segments(self.tokenizer, slotted), closing, self._trace(history, marked, tools, full)
-
-    def _trace(self, history, marked, tools, full) -> Trace | None:
-        """What the template does with the new messages' texts (renderers/tracked.py), where the traced
-        render is the recipe's text and every use of a text is covered by a test; else None."""
-        msgs = [{**m, "content": tracked(m["content"], i)} for i, m in enumerate(marked)]
-        ctx = self.template.context([*history, *msgs], tools, True, self.special, **self.template_kwargs)
-        text, trace = trace_render(self.template.source, ctx)
-        return trace if trace.unsafe is None and text == full else None
+        traced = [*history, *({**m, "content": tracked(m["content"], i)} for i, m in enumerate(marked))]
+        return history, parts, split_segments(self.tokenizer, slotted), closing, self._trace(traced, tools, True, full)
 
     def _splice_tail(self, histories, msgs, tools, needs_close: bool, prefix_len):
         """(the tail's pieces after the splice point, the synthesized close, the sentinel history, the full

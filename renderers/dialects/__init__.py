@@ -39,7 +39,7 @@ from typing import Any, ClassVar, TypeVar
 from ..base import _tool_names
 from ..messages import normalize_tools
 from ..qwen3_coder import function_schemas, type_call
-from ..scan import prompt_opens_reasoning, scan_ids
+from ..scan import Scan, prompt_opens_reasoning, scan_ids
 from ..tokenizer import Tokenizer
 from ..types import ParsedResponse, ToolCall, ToolCallStatus
 
@@ -107,20 +107,8 @@ class Dialect:
         default this dialect's ``stops``). ``prompt_ids``: a prompt whose last turn opened reasoning
         (a generation prompt ending in ``<think>``) makes the completion start inside it."""
         offered = Offered.of(tools)
-        # This format's own markers are structure, never a stop, whatever the caller's stop ids say (a
-        # template probe may take GLM's </tool_call>, the last token of a tool-call turn, for a stop).
-        structure = {*(self.think_ids or ()), *(self.call_ids or ()), *(self.section_ids or ())}
-        stops = frozenset(self.stop_ids if stop_ids is None else stop_ids) - structure
         ids = list(completion_ids)
-        scan = scan_ids(
-            ids,
-            stop_ids=stops,
-            think=self.think_ids,
-            call=self.call_ids,
-            section=self.section_ids,
-            restart=self.restart,
-            in_reasoning=prompt_opens_reasoning(prompt_ids, self.think_ids, stops),
-        )
+        scan = self._scan(ids, stop_ids, prompt_ids)
         calls: list[ToolCall] = []
         for start, end, closed in scan.calls:
             body = ids[start + 1 : end - 1 if closed else end]
@@ -135,6 +123,15 @@ class Dialect:
             calls.extend(type_call(c, offered.schemas) if self.types_arguments(c) else c for c in block)
         return scan.response(calls, self.tokenizer.decode)
 
+    def _scan(self, ids: list[int], stop_ids: Collection[int] | None, prompt_ids: Sequence[int] | None = None) -> Scan:
+        """The scan of ``ids`` up to the first stop (``stop_ids``, default this dialect's ``stops``)."""
+        # This format's own markers are structure, never a stop, whatever the caller's stop ids say (a
+        # template probe may take GLM's </tool_call>, the last token of a tool-call turn, for a stop).
+        structure = {*(self.think_ids or ()), *(self.call_ids or ()), *(self.section_ids or ())}
+        stops = frozenset(self.stop_ids if stop_ids is None else stop_ids) - structure
+        return scan_ids(ids, stop_ids=stops, think=self.think_ids, call=self.call_ids, section=self.section_ids,
+                        restart=self.restart, in_reasoning=prompt_opens_reasoning(prompt_ids, self.think_ids, stops))
+
     def call_names_and_reasoning(self, completion_ids: Sequence[int], stop_ids: Collection[int]) -> tuple[tuple[str, ...], bool]:
         """What :meth:`parse` would give as its calls' names (``""`` for a call without one) and whether its
         reasoning holds text, without decoding the content or typing arguments: the shape of a sampled
@@ -143,10 +140,8 @@ class Dialect:
         if type(self).parse is not Dialect.parse:
             parsed = self.parse(completion_ids, stop_ids=stop_ids)
             return tuple(c.name or "" for c in parsed.tool_calls), bool(parsed.reasoning_content)
-        structure = {*(self.think_ids or ()), *(self.call_ids or ()), *(self.section_ids or ())}
         ids = list(completion_ids)
-        scan = scan_ids(ids, stop_ids=frozenset(stop_ids) - structure, think=self.think_ids, call=self.call_ids,
-                        section=self.section_ids, restart=self.restart)
+        scan = self._scan(ids, stop_ids)
         offered = Offered(None, None)
         names = tuple(c.name or "" for start, end, closed in scan.calls
                       for c in self.parse_block(ids[start + 1 : end - 1 if closed else end], (start, end), offered))
