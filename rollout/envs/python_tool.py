@@ -28,8 +28,15 @@ from .scoring import require_answer, score_final_answer
 
 class PythonOptions(EnvOptions):
     timeout_s: float = pydantic.Field(10.0, gt=0.0, le=600.0, description="wall-clock limit per run")
-    memory_mb: int = pydantic.Field(512, ge=64, description="address-space limit (RLIMIT_AS) per run")
-    cpu_s: int | None = pydantic.Field(None, ge=1, description="CPU-seconds limit; default: the timeout rounded up, plus one second")
+    memory_mb: int = pydantic.Field(
+        512,
+        ge=64,
+        description="memory per run: all its processes together (cgroup, where one can be made) and "
+        "each process's address space (RLIMIT_AS)",
+    )
+    cpu_s: int | None = pydantic.Field(
+        None, ge=1, description="CPU-seconds limit; default: the timeout rounded up, plus one second"
+    )
     max_output_bytes: int = pydantic.Field(4096, ge=64, description="stdout and stderr are each cut to this")
     max_file_mb: int = pydantic.Field(16, ge=0, description="largest file the code may write (RLIMIT_FSIZE)")
     max_code_chars: int = pydantic.Field(20000, ge=1, description="longer code is refused with an error message")
@@ -85,7 +92,14 @@ class PythonEnv(Environment):
             network=o.network,
         )
         state.data.setdefault("runs", []).append(
-            {"exit_code": result.exit_code, "timed_out": result.timed_out, "duration_s": result.duration_s}
+            {
+                "exit_code": result.exit_code,
+                "signal": result.signal_name,
+                "timed_out": result.timed_out,
+                "duration_s": result.duration_s,
+                "memory_bound": result.memory_bound,
+                "oom_kills": result.oom_kills,
+            }
         )
         return result.describe(o.timeout_s)
 

@@ -10,9 +10,10 @@ Four processes, so that each step runs where the kernel allows it:
 - **C** leaves the host: ``unshare(CLONE_NEWUSER | NEWNS | NEWPID | NEWNET | NEWIPC | NEWUTS)``, then forks I.
 - **I** is pid 1 of the new pid namespace. It builds the file system view (a tmpfs root holding read-only
   binds of /usr and the Python installation, a fresh /proc, a minimal /dev and /etc, a private tmpfs /tmp
-  holding the work directory), ``pivot_root``s into it, drops every capability, sets no_new_privs, switches
-  to the unprivileged uid, writes the header line, forks W and waits for it. When W ends, I ends, and the
-  kernel kills whatever else is left in the namespace (``setsid`` and double-forked children included).
+  holding the work directory; ``/proc/keys`` masked), ``pivot_root``s into it, joins a fresh session keyring,
+  drops every capability, sets no_new_privs, switches to the unprivileged uid, installs the seccomp filter,
+  writes the header line, forks W and waits for it. When W ends, I ends, and the kernel kills whatever else is
+  left in the namespace (``setsid`` and double-forked children included).
 - **W** sets the resource limits and runs the code.
 
 C and I report failures (and I reports W's wait status) to P on a pipe the code never holds: the header
@@ -41,6 +42,63 @@ _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 4, 2
 _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _SYSCALLS = {"x86_64": {"pivot_root": 155, "capset": 126}, "aarch64": {"pivot_root": 41, "capset": 91}}
 _DEVICES = ("null", "zero", "full", "random", "urandom")
+# /proc files the code must not read (as container runtimes mask them): the kernel keyrings it can view
+_MASKED_PROC = ("keys", "key-users")
+
+# -- the seccomp filter ---------------------------------------------------------------------------------------
+# A deny list modelled on Docker's default profile: the system calls that profile refuses to a container without
+# capabilities (its allow list's complement, for the calls these kernels have), answered with EPERM as Docker
+# does. Numbers from the kernel's tables (x86_64: asm/unistd_64.h; aarch64: asm-generic/unistd.h; the calls
+# numbered 424 and up are the same on every architecture). Keyrings (shared per host uid: a key one run adds is
+# readable by the next), namespaces and mounts, tracing, BPF, perf, io_uring, userfaultfd, modules, kexec, time,
+# swap, quotas, NUMA policy, handles, and the rest that needs a capability the code does not have anyway.
+_DENIED_SYSCALLS = {
+    "x86_64": {
+        "add_key": 248, "keyctl": 250, "request_key": 249, "unshare": 272, "setns": 308, "mount": 165,
+        "umount2": 166, "pivot_root": 155, "chroot": 161, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
+        "fspick": 433, "move_mount": 429, "open_tree": 428, "open_tree_attr": 467, "mount_setattr": 442,
+        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312, "pidfd_getfd": 438,
+        "process_madvise": 440, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "io_uring_setup": 425,
+        "io_uring_enter": 426, "io_uring_register": 427, "init_module": 175, "finit_module": 313,
+        "delete_module": 176, "create_module": 174, "kexec_load": 246, "kexec_file_load": 320, "reboot": 169,
+        "swapon": 167, "swapoff": 168, "acct": 163, "syslog": 103, "quotactl": 179, "quotactl_fd": 443,
+        "lookup_dcookie": 212, "nfsservctl": 180, "get_kernel_syms": 177, "query_module": 178, "uselib": 134,
+        "ustat": 136, "sysfs": 139, "_sysctl": 156, "vhangup": 153, "iopl": 172, "ioperm": 173,
+        "settimeofday": 164, "clock_settime": 227, "sethostname": 170, "setdomainname": 171,
+        "fanotify_init": 300, "open_by_handle_at": 304, "get_mempolicy": 239, "set_mempolicy": 238,
+        "mbind": 237, "set_mempolicy_home_node": 450, "move_pages": 279, "migrate_pages": 256,
+        "lsm_get_self_attr": 459, "lsm_set_self_attr": 460, "lsm_list_modules": 461,
+    },
+    "aarch64": {
+        "add_key": 217, "keyctl": 219, "request_key": 218, "unshare": 97, "setns": 268, "mount": 40,
+        "umount2": 39, "pivot_root": 41, "chroot": 51, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
+        "fspick": 433, "move_mount": 429, "open_tree": 428, "open_tree_attr": 467, "mount_setattr": 442,
+        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "pidfd_getfd": 438,
+        "process_madvise": 440, "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "io_uring_setup": 425,
+        "io_uring_enter": 426, "io_uring_register": 427, "init_module": 105, "finit_module": 273,
+        "delete_module": 106, "kexec_load": 104, "kexec_file_load": 294, "reboot": 142, "swapon": 224,
+        "swapoff": 225, "acct": 89, "syslog": 116, "quotactl": 60, "quotactl_fd": 443, "lookup_dcookie": 18,
+        "nfsservctl": 42, "vhangup": 58, "settimeofday": 170, "clock_settime": 112, "sethostname": 161,
+        "setdomainname": 162, "fanotify_init": 262, "open_by_handle_at": 265, "get_mempolicy": 236,
+        "set_mempolicy": 237, "mbind": 235, "set_mempolicy_home_node": 450, "move_pages": 239,
+        "migrate_pages": 238, "lsm_get_self_attr": 459, "lsm_set_self_attr": 460, "lsm_list_modules": 461,
+    },
+}  # fmt: skip
+# calls allowed with some arguments only: clone (no new namespaces), socket (no AF_VSOCK: vsock is not
+# network-namespaced, so it would reach the VM's host; no AF_ALG: kernel crypto), personality (Docker's values);
+# clone3 gets ENOSYS, as in Docker (its flags sit behind a pointer), and glibc falls back to clone
+_FILTERED_SYSCALLS = {
+    "x86_64": {"clone": 56, "clone3": 435, "socket": 41, "personality": 135},
+    "aarch64": {"clone": 220, "clone3": 435, "socket": 198, "personality": 92},
+}
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_X32_SYSCALL_BIT = 0x40000000  # x86_64 only: the x32 ABI's calls, refused as a whole
+_CLONE_NEW_ANY = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+_AF_ALG, _AF_VSOCK = 38, 40
+_PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)  # PER_LINUX, ...32BIT, UNAME26 and the query
+_EPERM, _ENOSYS = 1, 38
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_KEYCTL_JOIN_SESSION_KEYRING = 1
 
 
 class _Failed(Exception):
@@ -94,6 +152,73 @@ def _limit_and_run(code: str, memory: int, cpu: int, fsize: int, nproc: int | No
         assert tb is not None
         traceback.print_exception(kind, value, tb.tb_next)  # without the bootstrap's own frame
         sys.exit(1)
+
+
+def _seccomp_program(machine: str) -> bytes:
+    """The classic-BPF program of the filter (``struct sock_filter`` array) for this architecture. Any other
+    architecture's calls (i386 through ``int 0x80``, 32-bit ARM) and x32 calls get EPERM: their numbers mean
+    other calls, which this list does not name."""
+    import struct
+
+    if machine not in _AUDIT_ARCH:
+        raise _Failed(f"seccomp: unsupported architecture {machine} (the filter knows x86_64 and aarch64)")
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
+    nr, arch, arg0 = 0, 4, 16  # offsets in struct seccomp_data (the low word of args[0], little-endian)
+    allow, errno = 0x7FFF0000, 0x00050000  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | errno
+    calls = _FILTERED_SYSCALLS[machine]
+    # (code, jump if true, jump if false, k): a jump is 0 (next) or the name of a label below
+    program: list[tuple[int, int | str, int | str, int]] = [(ld, 0, 0, arch), (jeq, 0, "deny", _AUDIT_ARCH[machine])]
+    program.append((ld, 0, 0, nr))
+    if machine == "x86_64":
+        program.append((jge, "deny", 0, _X32_SYSCALL_BIT))
+    program += [(jeq, "deny", 0, number) for number in sorted(_DENIED_SYSCALLS[machine].values())]
+    program += [(jeq, "nosys", 0, calls["clone3"]), (jeq, "clone", 0, calls["clone"])]
+    program += [(jeq, "socket", 0, calls["socket"]), (jeq, "personality", 0, calls["personality"])]
+    program.append((ret, 0, 0, allow))
+    labels = {"clone": len(program)}  # (classic BPF jumps only forward: the returns come last)
+    program += [(ld, 0, 0, arg0), (jset, "deny", "allow", _CLONE_NEW_ANY)]
+    labels["socket"] = len(program)
+    program += [(ld, 0, 0, arg0), (jeq, "deny", 0, _AF_VSOCK), (jeq, "deny", "allow", _AF_ALG)]
+    labels["personality"] = len(program)
+    program.append((ld, 0, 0, arg0))
+    program += [(jeq, "allow", 0, value) for value in _PERSONALITIES[:-1]]
+    program.append((jeq, "allow", "deny", _PERSONALITIES[-1]))
+    labels["allow"] = len(program)
+    program.append((ret, 0, 0, allow))
+    labels["nosys"] = len(program)
+    program.append((ret, 0, 0, errno | _ENOSYS))
+    labels["deny"] = len(program)
+    program.append((ret, 0, 0, errno | _EPERM))
+    code = bytearray()
+    for i, (op, true, false, k) in enumerate(program):
+        jt, jf = (labels[j] - i - 1 if isinstance(j, str) else j for j in (true, false))
+        assert 0 <= jt < 256 and 0 <= jf < 256, "a jump of the seccomp filter is out of range"
+        code += struct.pack("=HBBI", op, jt, jf, k)
+    return bytes(code)
+
+
+def _install_seccomp(ctypes, libc) -> None:
+    """Install the filter on this process (after no_new_privs, which an unprivileged process needs for it);
+    every process it forks inherits it, and no process can remove it."""
+    program = _seccomp_program(os.uname().machine)
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    buffer = ctypes.create_string_buffer(program, len(program))
+    fprog = SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
+    _check("install the seccomp filter", libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0))
+
+
+def _join_fresh_session_keyring(ctypes, libc) -> None:
+    """A new, empty session keyring for this process and the code: nothing of the service's is inherited. Done
+    while still the namespace's root, so the keyring counts against host root's key quota, not the code's uid's
+    (shared by every run). A kernel without keyrings (ENOSYS) has nothing to inherit."""
+    number = _DENIED_SYSCALLS.get(os.uname().machine, {}).get("keyctl")
+    if number is None:
+        raise _Failed(f"join a session keyring: unsupported architecture {os.uname().machine}")
+    if libc.syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0 and ctypes.get_errno() != 38:  # ENOSYS
+        raise _Failed(f"join a fresh session keyring: {os.strerror(ctypes.get_errno())}")
 
 
 def _mount(libc, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
@@ -170,6 +295,9 @@ def _build_root(libc, new_root: str, workdir: str, disk: int) -> None:
     with _Step("make /proc"):
         os.mkdir(new_root + "/proc")
     _mount(libc, "proc", new_root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)  # this pid ns only
+    for name in _MASKED_PROC:  # /dev/null over them: they read empty
+        if os.path.exists(f"{new_root}/proc/{name}"):
+            _mount(libc, "/dev/null", f"{new_root}/proc/{name}", None, _MS_BIND)
     dev = new_root + "/dev"
     with _Step("make /dev"):
         os.mkdir(dev)
@@ -250,8 +378,11 @@ def _init(
         new_root = workdir  # any empty directory will do as the mount point of the new root
         _build_root(libc, new_root, workdir, disk)
         _enter(ctypes, libc, new_root)
+        _join_fresh_session_keyring(ctypes, libc)
         _drop_privileges(ctypes, libc, root_service)
         os.chdir(workdir)
+        # last: the filter refuses what the setup above used (mount, keyctl); I and the code both run under it
+        _install_seccomp(ctypes, libc)
     except BaseException as error:  # every failure is reported; none runs the code
         _say(report, f"error {_describe(error)}")
         os._exit(1)
@@ -367,18 +498,23 @@ def _map_ids(child: int) -> None:
 
 
 def _exit_like(status: int) -> None:
-    """End P the way the code's process ended: its exit code, or killed by the same signal."""
+    """End P the way the code's process ended: its exit code, or killed by the same signal. Never raises: a
+    traceback here would reach the model's stderr as if the code had printed it."""
     if os.WIFEXITED(status):
         os._exit(os.WEXITSTATUS(status))
-    import ctypes
-    import signal
-
     signum = os.WTERMSIG(status)
-    ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # re-raising SIGXCPU/SIGSEGV must not dump a core
-    signal.signal(signum, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
-    os.kill(os.getpid(), signum)
-    os._exit(128 + signum)
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # re-raising SIGXCPU/SIGSEGV must not dump a core
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):  # (their disposition cannot be changed, nor blocked)
+            signal.signal(signum, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+        os.kill(os.getpid(), signum)
+    except BaseException:
+        pass
+    os._exit(128 + signum)  # a signal whose default is not to terminate: the shell's convention
 
 
 def main() -> None:
