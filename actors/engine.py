@@ -31,7 +31,7 @@ import importlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import ray
 
@@ -74,15 +74,19 @@ class EngineSpec:
     num_gpus: float | None = None
     max_concurrency: int = 64
     name: str | None = None
+    placement: Literal["spread", "pack"] = "spread"
+    custom_resources: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in BACKENDS and ":" not in self.kind:
             raise ValueError(f"unknown engine kind {self.kind!r}: expected one of {sorted(BACKENDS)} or 'module:Class'")
         if self.replicas < 1 or self.max_concurrency < 1:
             raise ValueError(f"replicas and max_concurrency must be >= 1 (got {self.replicas}, {self.max_concurrency})")
-        for what, v in (("num_cpus", self.num_cpus), ("num_gpus", self.num_gpus)):
+        for what, v in (("num_cpus", self.num_cpus), ("num_gpus", self.num_gpus), *self.custom_resources.items()):
             if v is not None and v < 0:
                 raise ValueError(f"{what} must be >= 0, got {v}")
+        if self.placement not in ("spread", "pack"):
+            raise ValueError(f"placement must be 'spread' or 'pack', got {self.placement!r}")
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> EngineSpec:
@@ -226,7 +230,8 @@ class EngineActorImpl:
     async def health(self) -> dict[str, Any]:
         """Liveness and load: ``ok``, the backend's own health (if it has ``health()``), info and counters."""
         backend = await self._ensure()
-        report: dict[str, Any] = {"ok": True, "name": self.name, "kind": self.kind, **self.stats}
+        report: dict[str, Any] = {"ok": True, "name": self.name, "kind": self.kind, "node_id": _node_id(),
+                                  **self.stats}
         probe = getattr(backend, "health", None)
         if callable(probe):
             res = probe()
@@ -287,6 +292,11 @@ async def _awaited(call: Awaitable[T]) -> T:
     return await call
 
 
+def _node_id() -> str | None:
+    """The Ray node this runs on (which machine of a cluster holds the engine); None outside Ray."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
 EngineActor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY})(EngineActorImpl)
 
 
@@ -309,6 +319,10 @@ def start_engine_actors(
         for i in range(spec.replicas):
             name = f"{spec.name}-{i}" if spec.name else None
             opts: dict[str, Any] = dict(spec.resources(), max_concurrency=spec.max_concurrency)
+            if spec.custom_resources:  # custom node resources pin engines to the nodes that offer them
+                opts["resources"] = dict(spec.custom_resources)
+            if spec.placement == "spread":  # one engine per node first, so losing a node loses the fewest
+                opts["scheduling_strategy"] = "SPREAD"
             if name:
                 opts["name"] = name
             handles.append(EngineActor.options(**opts).remote(spec.kind, dict(spec.kwargs), name or spec.kind))

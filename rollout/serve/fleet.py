@@ -72,10 +72,16 @@ class Fleet:
         self.on_abandoned: Callable[[GenerateOutput], None] | None = None
         self.sleep_level = 0  # 0: awake; else the level of POST /sleep (requests are refused with 503)
         self._world_size: int | None = None
+        self.reroutes = 0  # requests sent again to another engine because theirs died
 
     @property
     def paused(self) -> bool:
         return not self._admitting.is_set()
+
+    @property
+    def alive(self) -> int:
+        """Engines not known to be dead."""
+        return len(self.engines) - len(self.dead)
 
     @property
     def in_flight(self) -> int:
@@ -84,32 +90,47 @@ class Fleet:
     async def generate(self, request: GenerateRequest, key: str | None = None) -> tuple[GenerateOutput, float, int]:
         """Run ``request`` on the engine ``key`` sticks to (None: the least loaded). Returns the output,
         the seconds the engine call took as seen from here, and the engine index. A cancelled caller
-        (a client that disconnected) aborts the request on its engine. Raises EngineUnavailable when
-        the engine died; an engine's refusal (EngineError) propagates unchanged."""
-        await self._admitting.wait()
-        index, route = self._admit(request, key)
-        rid = request.request_id
-        t0 = time.perf_counter()
-        engine = self.engines[index]
-        running = asyncio.ensure_future(self._call_generate(engine, request))
-        try:
-            out = await asyncio.shield(running)
-            return out, time.perf_counter() - t0, index
-        except asyncio.CancelledError:
-            # cancelling the wait does not reach an actor: tell the engine to stop this request, and
-            # collect what it returns (finish_reason "abort") so the metrics see how it ended
-            with contextlib.suppress(Exception):
-                await asyncio.shield(call(self.engines[index], "abort", rid))
-            self._abandoned.add(asyncio.ensure_future(self._collect(running)))
-            raise
-        except Exception as exc:
-            if is_actor_death(exc):
-                self.dead.add(index)
-                self.router.drop_engine(index)
-                raise EngineUnavailable(f"engine {index} died: {type(exc).__name__}") from exc
-            raise
-        finally:
-            self._release(index, rid, route, key)
+        (a client that disconnected) aborts the request on its engine. An engine that dies (its Ray
+        actor, or its node) is dropped from routing and the request is sent again to a live one: it had
+        returned nothing yet. Raises EngineUnavailable once no engine is alive; an engine's refusal
+        (EngineError) propagates unchanged."""
+        while True:
+            await self._admitting.wait()
+            index, route = self._admit(request, key)
+            rid = request.request_id
+            t0 = time.perf_counter()
+            engine = self.engines[index]
+            running = asyncio.ensure_future(self._call_generate(engine, request))
+            try:
+                out = await asyncio.shield(running)
+                return out, time.perf_counter() - t0, index
+            except asyncio.CancelledError:
+                # cancelling the wait does not reach an actor: tell the engine to stop this request, and
+                # collect what it returns (finish_reason "abort") so the metrics see how it ended
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(call(self.engines[index], "abort", rid))
+                self._abandoned.add(asyncio.ensure_future(self._collect(running)))
+                raise
+            except Exception as exc:
+                if not is_actor_death(exc):
+                    raise
+                self._engine_died(index, exc)
+            finally:
+                self._release(index, rid, route, key)
+
+    def _engine_died(self, index: int, exc: BaseException) -> None:
+        """Drop a dead engine from routing; raise EngineUnavailable when it was the last one (else the
+        caller re-sends its request to a live engine)."""
+        self.mark_dead(index)
+        if len(self.dead) == len(self.engines):
+            raise EngineUnavailable(f"engine {index} died ({type(exc).__name__}) and no engine is alive") from exc
+        self.reroutes += 1
+
+    def mark_dead(self, index: int) -> None:
+        """An engine is gone for good (its actor or node died): no request is routed to it again."""
+        if index not in self.dead:
+            self.dead.add(index)
+            self.router.drop_engine(index)
 
     def _admit(self, request: GenerateRequest, key: str | None) -> tuple[int, str]:
         if len(self.dead) == len(self.engines):
@@ -137,34 +158,38 @@ class Fleet:
     async def generate_stream(self, request: GenerateRequest, key: str | None = None) -> AsyncIterator[Any]:
         """``generate`` token by token: StreamDelta items as the engine samples them (an engine without
         ``generate_stream`` gives none), then ``(output, engine call seconds, engine index)``. Closing or
-        cancelling the iteration before the output aborts the request on its engine."""
-        await self._admitting.wait()
-        index, route = self._admit(request, key)
-        rid = request.request_id
-        engine = self.engines[index]
-        t0 = time.perf_counter()
-        items = self._stream_from(engine, request)
-        finished = False
-        try:
-            async for item in items:
-                if isinstance(item, GenerateOutput):
-                    finished = True
-                    yield item, time.perf_counter() - t0, index
-                    return
-                yield item
-        except BaseException as exc:
-            if not finished and isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(call(engine, "abort", rid))
-            if isinstance(exc, Exception) and is_actor_death(exc):
-                self.dead.add(index)
-                self.router.drop_engine(index)
-                raise EngineUnavailable(f"engine {index} died: {type(exc).__name__}") from exc
-            raise
-        finally:
-            with contextlib.suppress(BaseException):
-                await items.aclose()
-            self._release(index, rid, route, key)
+        cancelling the iteration before the output aborts the request on its engine. An engine that dies
+        before its first item is replaced as in ``generate``; after it, the stream fails with EngineUnavailable
+        (the client already holds tokens of that attempt)."""
+        while True:
+            await self._admitting.wait()
+            index, route = self._admit(request, key)
+            rid = request.request_id
+            engine = self.engines[index]
+            t0 = time.perf_counter()
+            items = self._stream_from(engine, request)
+            started = finished = False
+            try:
+                async for item in items:
+                    if isinstance(item, GenerateOutput):
+                        finished = True
+                        yield item, time.perf_counter() - t0, index
+                        return
+                    started = True
+                    yield item
+            except BaseException as exc:
+                if not finished and isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(call(engine, "abort", rid))
+                if not (isinstance(exc, Exception) and is_actor_death(exc)):
+                    raise
+                self._engine_died(index, exc)
+                if started:
+                    raise EngineUnavailable(f"engine {index} died mid-stream: {type(exc).__name__}") from exc
+            finally:
+                with contextlib.suppress(BaseException):
+                    await items.aclose()
+                self._release(index, rid, route, key)
 
     async def _stream_from(self, engine: Any, request: GenerateRequest) -> AsyncIterator[Any]:
         gs = getattr(engine, "generate_stream", None)
@@ -329,6 +354,8 @@ class Fleet:
                 report = await asyncio.wait_for(call(engine, "health"), timeout_s) if probe else {"ok": True}
                 return {"engine": i, **dict(report)}
             except Exception as exc:
+                if is_actor_death(exc):  # gone for good: route nothing more to it
+                    self.mark_dead(i)
                 return {"ok": False, "engine": i, "error": f"{type(exc).__name__}: {exc}"}
 
         return list(await asyncio.gather(*(one(i, e) for i, e in enumerate(self.engines))))
