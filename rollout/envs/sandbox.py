@@ -479,9 +479,11 @@ async def run_python(
                 start_new_session=True,  # its own process group, so a timeout kills everything it started
             )
             if cgroup is not None:
-                # P reads all of the code before it forks anything: moved in now, every process of the run is in
+                # P reads all of the code before it forks anything: moved in now, every process of the run is in.
+                # In a thread: on cgroup v1 a move waits for an RCU grace period (12 ms median here), which would
+                # block the event loop; P's interpreter starts up meanwhile.
                 try:
-                    cgroup.add(process.pid)
+                    await asyncio.to_thread(cgroup.add, process.pid)
                 except OSError as error:
                     logger.warning("sandbox: cannot move the run into its cgroup (%s): rlimits only", error)
                     bound = "rlimit"
