@@ -15,6 +15,7 @@ import os
 import socket
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -54,9 +55,11 @@ def server(tmp_path_factory):
                 "logprobs": [-0.5] * len(tool_call_ids()), "finish_reason": "stop", "stop_token_id": IM_END}]
     options = {"synthetic": True, "vocab_size": VOCAB, "max_model_len": MAX_LEN, "token_delay_s": 0.002,
                "records": records}
+    weights = tmp_path_factory.mktemp("checkpoints")
     with serving(tmp_path_factory, "tito-test-serve",
                  [f"model={tokenizer_dir(QWEN)}", "served_model_name=qwen-test", "engine.backend=replay", "engine.count=2",
-                  "default_max_tokens=40", "sessions.idle_timeout_s=2"], engine_options=options) as srv:
+                  "default_max_tokens=40", "sessions.idle_timeout_s=2", f"server.weights_root={weights}"],
+                 engine_options=options) as srv:
         yield srv
 
 
@@ -235,13 +238,20 @@ def test_pause_resume_and_update_weights(server):
     post(server, "/resume", {})
     t.join(10)
     assert out["r"][0] == 200
-    status, r = post(server, "/update_weights", {"weight_dir": "/checkpoints/step-7", "version": 7})
+    import torch
+    from safetensors.torch import save_file
+
+    root = Path(server.state.weights_root)
+    for step in ("step-7", "step-8"):  # the replay engines load nothing: a checkpoint the server accepts
+        (root / step).mkdir(exist_ok=True)
+        save_file({"w": torch.zeros(2)}, str(root / step / "model.safetensors"))
+    status, r = post(server, "/update_weights", {"weight_dir": str(root / "step-7"), "version": 7})
     assert status == 200 and r == {"status": "ok", "weight_version": 7}
     _, r = post(server, "/inference/v1/generate", {"token_ids": [9], "sampling_params": {"max_tokens": 2}})
     assert [s["version"] for s in r["choices"][0]["weight_versions"]] == ["7"]
     assert metric(server, "weight_version") == 7 and request(server, "GET", "/is_paused")[1]["is_paused"] is False
     # prime-rl sends no version: the version increments
-    status, r = post(server, "/update_weights", {"weight_dir": "/checkpoints/step-8"})
+    status, r = post(server, "/update_weights", {"weight_dir": "step-8"})  # relative to server.weights_root
     assert status == 200 and r["weight_version"] == 8
     _, r = post(server, "/inference/v1/generate", {"token_ids": [9], "sampling_params": {"max_tokens": 2}})
     assert [s["version"] for s in r["choices"][0]["weight_versions"]] == ["8"]

@@ -38,7 +38,8 @@ def model_path() -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_path):
     with serving(tmp_path_factory, "tito-test-serve-admin",
-                 [f"model={model_path}", "served_model_name=smollm2-admin", "engine.backend=embedded", "engine.count=2",
+                 [f"model={model_path}", f"server.weights_root={model_path}", "served_model_name=smollm2-admin",
+                  "engine.backend=embedded", "engine.count=2",
                   "engine.num_cpus=0.5", "engine.options={threads: 1, max_batch: 4, max_model_len: 1024}"]) as srv:
         yield srv
 
@@ -176,7 +177,7 @@ def test_sleep_frees_weights_and_kv_and_wake_up_restores_them(server):
     assert call(server, "GET", "/is_sleeping")[1] == {"is_sleeping": True}
     status, r = generate(server, prompt, 8)
     assert status == 503 and "wake_up" in r["error"]["message"]
-    status, r = call(server, "POST", "/update_weights", {"weight_dir": "/nowhere"})
+    status, r = call(server, "POST", "/update_weights", {"weight_dir": server.state.weights_root})
     assert status == 503 and "wake_up" in r["error"]["message"]
     assert call(server, "GET", "/liveness")[0] == 200  # the process is alive while its engines sleep
     status, r = call(server, "POST", "/wake_up", {})

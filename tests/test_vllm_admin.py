@@ -36,6 +36,7 @@ def tito(tmp_path_factory):
         str(Path(sys.executable).with_name("tito")), "serve", "configs/serve.yaml", "--port", str(port),
         "--set", f"model={model_dir()}", "--set", f"served_model_name={NAME}",
         "--set", f"engine={{backend: vllm, count: 1, options: {{max_model_len: {MAX_MODEL_LEN}, enforce_eager: true}}}}",
+        "--set", f"server.weights_root={model_dir()}",  # /update_weights loads the model's own checkpoint
     ], port, logs / "tito.log", env)
     try:
         server.wait_ready()

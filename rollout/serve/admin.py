@@ -12,6 +12,8 @@ without it (vLLM's CPU build).
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -20,7 +22,7 @@ from starlette.responses import Response
 
 from . import calls
 from .calls import json_response
-from .schemas import BadRequest, decode
+from .schemas import BadRequest, Conflict, decode
 from .state import ServerState
 
 PauseMode = Literal["wait", "abort", "keep"]
@@ -122,7 +124,9 @@ async def is_paused(state: ServerState, request: Request) -> Response:
 
 async def update_weights(state: ServerState, request: Request) -> Response:
     """Load a checkpoint directory on every engine. Without ``version`` (prime-rl) the version increments by
-    one; with it (tito's and the older vLLM API) that version is served."""
+    one; with it (tito's and the older vLLM API) that version is served, and it must be above the current one
+    (409). The directory must be under ``server.weights_root`` (403, saying nothing of the path) and hold
+    safetensors files only (400)."""
     body: UpdateWeightsBody = await _body(state, request, UpdateWeightsBody)
     if body.update_info is not None:
         return _not_here("update_weights with update_info (tensors streamed over an NCCL group, TRL's and "
@@ -130,8 +134,66 @@ async def update_weights(state: ServerState, request: Request) -> Response:
                          '{"weight_dir": "<safetensors directory>"} instead')
     if not body.weight_dir:
         raise BadRequest("weight_dir is required: the checkpoint directory to load", "weight_dir")
-    version = await state.fleet.update_weights(body.weight_dir, body.version)
+    weight_dir = _weight_dir(state, body.weight_dir)
+    if isinstance(weight_dir, Response):
+        return weight_dir
+    problem = await asyncio.to_thread(checkpoint_problem, weight_dir)
+    if problem:
+        raise BadRequest(f"weight_dir {body.weight_dir!r}: {problem}", "weight_dir")
+    async with state.weights_lock:  # the version check and the update, with no other update in between
+        current = state.fleet.weight_version
+        if body.version is not None and body.version <= current:
+            raise Conflict(f"version {body.version} is not above the version served now, {current}: versions "
+                           "must increase (send none to take the next one)", "version")
+        version = await state.fleet.update_weights(str(weight_dir), body.version)
     return json_response({"status": "ok", "weight_version": version})
+
+
+FORBIDDEN_WEIGHT_DIR = ("weight_dir is not under the directory this server loads weights from "
+                        "(server.weights_root)")
+# the pickle weight files transformers' from_pretrained loads (when it finds no model.safetensors);
+# a trainer's training_args.bin or optimizer.pt beside the weights are never loaded
+PICKLE_WEIGHTS = "pytorch_model*.bin*"
+
+
+def _weight_dir(state: ServerState, weight_dir: str) -> Path | Response:
+    """``weight_dir`` resolved (symlinks followed; relative to the root), or a 403 that says nothing about
+    the path: neither whether it exists nor what it is, so the route cannot be used to probe the machine."""
+    if state.weights_root is None:
+        return calls.error_response(403, "weight updates are off: set server.weights_root to the directory "
+                                    "holding the checkpoints", "PermissionDeniedError", "weight_dir")
+    try:
+        root = Path(state.weights_root).resolve()
+        target = (root / weight_dir).resolve()
+    except (OSError, RuntimeError):  # unreadable components, a symlink loop
+        target = None
+    if target is None or (target != root and root not in target.parents):
+        return calls.error_response(403, FORBIDDEN_WEIGHT_DIR, "PermissionDeniedError", "weight_dir")
+    return target
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` (under the weights root) is not a checkpoint to load, or None: a directory of safetensors
+    files whose headers read, and no pickle weight files (transformers falls back to those, and unpickling
+    runs code). Only headers are read: milliseconds for any size."""
+    if not path.is_dir():
+        return "not a directory"
+    pickles = sorted(f.name for f in path.glob(PICKLE_WEIGHTS))
+    if pickles:
+        return f"holds pickle weight files ({', '.join(pickles[:3])}): only safetensors checkpoints are loaded"
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return "holds no *.safetensors files"
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                if not list(handle.keys()):
+                    return f"{f.name} holds no tensors"
+        except Exception as exc:  # noqa: BLE001 - any unreadable header is a bad checkpoint
+            return f"cannot read the safetensors header of {f.name} ({type(exc).__name__})"
+    return None
 
 
 async def init_broadcaster(state: ServerState, request: Request) -> Response:

@@ -4,7 +4,8 @@ are in openai_routes.py (streaming in streaming.py), what they share around an e
 Bodies are decoded and encoded with msgspec (schemas.py). Every refusal is a JSON error in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}`` (``param`` names the offending field): 400 for bad
 input, 404 for an unknown session or route, 405 for a wrong method, 409 for a request id already running,
-413 for a body over the limit, 429 when too many sessions are held, 500 when an engine failed the
+408 for a body that did not arrive in time (guard.py), 401 without the API key (guard.py), 403 for a
+weight directory outside ``server.weights_root``, 413 for a body over the limit, 429 when too many sessions are held, 500 when an engine failed the
 request, 501 for what cannot be real here (admin.py), 503 when an engine died or the engines are asleep;
 the server keeps serving in every case. A client that disconnects
 while its request runs has that request aborted on its engine.
@@ -19,6 +20,7 @@ from collections.abc import Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
@@ -28,6 +30,7 @@ from . import admin, calls
 from .calls import ClientGone, error_response, json_response, root_cause
 from .chat_session import SESSION_END, end_session, evict_over_budget
 from .fleet import DuplicateRequest, EngineUnavailable
+from .guard import Guard
 from .logprobs import generate_extras, generate_logprobs, prompt_logprobs
 from .openai_routes import chat_completions, completions, detokenize, token_decoder, tokenize
 from .schemas import (
@@ -41,7 +44,7 @@ from .schemas import (
     struct_values,
     weight_spans,
 )
-from .sessions import SessionLimit
+from .sessions import SessionLimit, check_session_id
 from .state import ServerState
 
 __all__ = ["ServerState", "create_app"]
@@ -162,7 +165,7 @@ async def metrics(state: ServerState, request: Request) -> Response:
 
 
 async def session_sample(state: ServerState, request: Request) -> Response:
-    sid = request.path_params["session_id"]
+    sid = check_session_id(request.path_params["session_id"], "session_id")
     s = state.sessions.get(sid)
     if s is None or not s.prompt_ids:
         return _error(404, f"no session {sid!r} (never started, deleted or expired)", "NotFoundError")
@@ -173,7 +176,7 @@ async def session_sample(state: ServerState, request: Request) -> Response:
 async def session_delete(state: ServerState, request: Request) -> Response:
     """End a session now: its samples written (to a shard file before answering, with an output
     directory), its KV dropped on its engine."""
-    sid = request.path_params["session_id"]
+    sid = check_session_id(request.path_params["session_id"], "session_id")
     s = state.sessions.get(sid)
     if s is None:
         return _error(404, f"no session {sid!r} (never started, deleted or expired)", "NotFoundError")
@@ -242,6 +245,8 @@ def _wrap(state: ServerState, name: str, handler: Handler) -> Callable[[Request]
             response = _error(499, "client disconnected; the request was aborted", "ClientClosedRequest")
         except BadRequest as exc:
             response = _error(exc.status, str(exc), exc.kind, exc.param)
+            if exc.status == 408:  # the rest of the body may still come: this connection cannot be reused
+                response.headers["Connection"] = "close"
         except DuplicateRequest as exc:
             response = _error(409, str(exc), "ConflictError", exc.param)
         except (EngineError, ValueError) as exc:  # EngineError, MessageError, TemplateRejected are ValueErrors
@@ -326,5 +331,7 @@ def create_app(state: ServerState) -> Starlette:
             return response
         return _error(status, str(getattr(exc, "detail", exc)), "HTTPError", None)
 
+    guard = Middleware(Guard, api_key=state.api_key, admin_api_key=state.admin_api_key,
+                       body_timeout_s=state.body_timeout_s)
     return Starlette(routes=[Route(path, _wrap(state, path, fn), methods=methods) for path, fn, methods in routes],
-                     lifespan=lifespan, exception_handlers={HTTPException: http_error})
+                     lifespan=lifespan, exception_handlers={HTTPException: http_error}, middleware=[guard])

@@ -9,6 +9,7 @@ session is opened or an engine is called, so a refused request leaves nothing be
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from .schemas import (
     struct_values,
     weight_spans,
 )
+from .sessions import check_session_id
 from .state import ServerState
 from .stops import MAX_STOP_STRINGS, TextStream
 
@@ -131,8 +133,6 @@ async def completions(state: ServerState, request: Request) -> Response:
         from .streaming import stream_completion
 
         return stream_completion(state, request, body, c, decode_text)
-    import asyncio
-
     texts = [c.texts(decode_text) if stops else None for _ in reqs]
     outs = await asyncio.gather(*(calls.run_to_end(state, request, r, c.key, t) for r, t in zip(reqs, texts)))
     token_text = token_decoder(state)
@@ -196,7 +196,13 @@ def check_prompt_bytes(state: ServerState, messages: list[dict]) -> None:
             texts.append(content)
         elif isinstance(content, list):
             texts += [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-    room = state.fleet.max_model_len - 1  # the prompt must leave a token to sample
+    # the prompt must leave a token to sample
+    check_text_bytes(state, texts, state.fleet.max_model_len - 1, "messages", "message text", "the prompt")
+
+
+def check_text_bytes(state: ServerState, texts: list[str], room: int, param: str, what: str, fits: str) -> None:
+    """BadRequest naming ``param`` when ``texts`` need more than ``room`` tokens by the bytes bound (see
+    check_prompt_bytes); cheap below the bound, a normalizer pass over the text above it."""
     cheap = sum(len(t) for t in texts)  # characters <= bytes: below this bound nothing needs counting
     if cheap * 4 <= state.max_token_bytes * room:
         return
@@ -208,9 +214,9 @@ def check_prompt_bytes(state: ServerState, messages: list[dict]) -> None:
             t = normalizer.normalize_str(t)
         total += len(t.encode("utf-8", "surrogatepass"))
     if total > state.max_token_bytes * room:
-        raise BadRequest(f"messages: {total} bytes of message text need more than {room} tokens (no token of "
-                         f"this vocabulary is longer than {state.max_token_bytes} bytes), so the prompt cannot fit "
-                         f"max_model_len {state.fleet.max_model_len}", "messages")
+        raise BadRequest(f"{param}: {total} bytes of {what} need more than {room} tokens (no token of this "
+                         f"vocabulary is longer than {state.max_token_bytes} bytes), so {fits} cannot fit "
+                         f"max_model_len {state.fleet.max_model_len}", param)
 
 
 def _template_kwargs(state: ServerState, body: ChatBody, session: bool, ignored: list[str]) -> dict:
@@ -279,7 +285,9 @@ def _stateless_prompt(state: ServerState, body: ChatBody, kwargs: dict) -> list[
 
 async def chat_completions(state: ServerState, request: Request) -> Response:
     body: ChatBody = decode(await calls.read_body(state, request), ChatBody)
-    session_id = request.headers.get("x-session-id")
+    session_id = request.headers.get("x-session-id") or None
+    if session_id is not None:
+        check_session_id(session_id)
     ignored = _check_chat(state, body, bool(session_id))
     kwargs = _template_kwargs(state, body, bool(session_id), ignored)
     stops = _stops(body.stop)
@@ -391,6 +399,9 @@ def chat_finish(r: GenerateResult, assistant: dict) -> str:
 
 
 async def tokenize(state: ServerState, request: Request) -> Response:
+    """vLLM's /tokenize. Text that cannot fit ``max_model_len`` tokens is refused before it is tokenized
+    (as chat's messages are), and a text prompt is tokenized in a worker thread (``encode_batch`` releases
+    the GIL), so other requests, /health included, are answered meanwhile."""
     body: TokenizeBody = decode(await calls.read_body(state, request), TokenizeBody)
     calls.check_model(state, body.model)
     tok = state.parser.tokenizer
@@ -405,20 +416,33 @@ async def tokenize(state: ServerState, request: Request) -> Response:
             raise BadRequest("continue_final_message needs add_generation_prompt=false", "continue_final_message")
         ids = _stateless_prompt(state, chat, _template_kwargs(state, chat, False, []))
     else:
+        check_text_bytes(state, [body.prompt], state.fleet.max_model_len, "prompt", "text", "its tokens")
         # what the tokenizer's own post-processor adds (HF's tokenizer(text), vLLM's /tokenize): SmolLM2 adds no BOS
-        ids = tok.backend.encode(body.prompt, add_special_tokens=body.add_special_tokens).ids
+        encoded = await asyncio.to_thread(tok.backend.encode_batch, [body.prompt],
+                                          add_special_tokens=body.add_special_tokens)
+        ids = encoded[0].ids
     out: dict[str, Any] = {"count": len(ids), "max_model_len": state.fleet.max_model_len, "tokens": ids,
                            "token_strs": None}
     if body.return_token_strs:
-        out["token_strs"] = tok.backend.decode_batch([[t] for t in ids], skip_special_tokens=False)
+        out["token_strs"] = await asyncio.to_thread(tok.backend.decode_batch, [[t] for t in ids],
+                                                    skip_special_tokens=False)
     return calls.json_response(out)
 
 
 async def detokenize(state: ServerState, request: Request) -> Response:
+    """vLLM's /detokenize: at most ``max_model_len`` ids (what one sequence can hold), decoded in a worker
+    thread (``decode_batch`` releases the GIL)."""
     body: DetokenizeBody = decode(await calls.read_body(state, request), DetokenizeBody)
     calls.check_model(state, body.model)
+    limit = state.fleet.max_model_len
+    if len(body.tokens) > limit:
+        raise BadRequest(f"tokens: {len(body.tokens)} token ids are more than max_model_len {limit}; send at "
+                         "most that many", "tokens")
     vocab = state.fleet.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
-    return calls.json_response({"prompt": state.parser.tokenizer.decode(body.tokens)})
+    # the tokenizer's decode (special tokens kept), as decode_batch: that one releases the GIL
+    texts = await asyncio.to_thread(state.parser.tokenizer.backend.decode_batch, [body.tokens],
+                                    skip_special_tokens=False)
+    return calls.json_response({"prompt": texts[0]})

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 from tito_renderers import MessageError, normalize_messages
 
 from ..handles import call
+from .schemas import BadRequest
 
 # Break reasons that come from the session layer, next to the renderer's BreakReason values
 HISTORY_EDITED = "history_edited"
@@ -40,6 +42,20 @@ TOOLS_CHANGED = "tools_changed"
 RETRY_AFTER_FAILED_TURN = "previous_turn_not_sampled"
 ID_BYTES = 8  # a token id held by this server for the next bridge (int64)
 SAMPLE_TOKEN_BYTES = 8 + 4 + 1  # a sample token the renderer holds: int64 id, float32 logprob, bool mask
+
+
+SESSION_ID_RULE = "1 to 256 ASCII letters, digits and . _ : - (not dots alone)"
+_SESSION_ID = re.compile(r"(?!\.+$)[A-Za-z0-9._:-]{1,256}")
+
+
+def check_session_id(session_id: str, param: str = "X-Session-ID") -> str:
+    """``session_id`` if it follows SESSION_ID_RULE, else BadRequest naming the rule. The rule makes every
+    accepted id addressable: no ``/`` (``/v1/sessions/a/b/sample`` is another route), nothing a URL or a
+    latin-1 header would change (a UTF-8 header arrives as latin-1 mojibake), a bounded length, no ``.`` or ``..`` (URL clients resolve them as path segments)."""
+    if not _SESSION_ID.fullmatch(session_id):
+        shown = session_id if len(session_id) <= 40 else f"{session_id[:40]}... ({len(session_id)} characters)"
+        raise BadRequest(f"{param} {shown!r} is not a valid session id: it must be {SESSION_ID_RULE}", param)
+    return session_id
 
 
 class SessionLimit(RuntimeError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -14,6 +15,7 @@ from .metrics import Metrics, server_metrics
 from .sessions import SessionManager
 
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -21,7 +23,9 @@ class ServerState:
     """Everything the routes use. ``parser`` is a renderer on the served model's tokenizer: it renders
     session-less chat calls, parses completions and supplies the stop ids (the same code as the
     renderer actors, as in ``tito run``). ``max_body_bytes``: larger bodies are refused with 413, from
-    their Content-Length before reading, or while reading a chunked one."""
+    their Content-Length before reading, or while reading a chunked one. ``api_key`` / ``admin_api_key``:
+    the Bearer keys requests must carry (guard.py; None: no key). ``weights_root``: /update_weights loads
+    only directories under it (None: none). ``body_timeout_s``: a body not in by then is a 408."""
 
     fleet: Fleet
     sessions: SessionManager
@@ -33,6 +37,12 @@ class ServerState:
     metrics: Metrics = field(default_factory=server_metrics)
     created: int = field(default_factory=lambda: int(time.time()))
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
+    weights_root: str | None = None
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    # held from the version check to the update's end, so two updates cannot both pass the check
+    weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def engine_info(self) -> EngineInfo:
         info = self.fleet.infos[0]
