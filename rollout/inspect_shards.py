@@ -16,11 +16,39 @@ from .progress import use_color
 
 
 def _open(path: str | Path):
-    """The shards at ``path`` (a file, a directory or a glob) as a lazy dataset; a clear error if none."""
+    """The shards at ``path`` (a file, a directory or a glob) as a lazy dataset; a clear error if none.
+    An output directory's files are first checked against the manifest's checksums (ShardCorrupt names
+    a file that changed)."""
     try:
-        return open_shards(path), len(shard_files(path))
+        files = shard_files(path)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
+    verify(path)
+    return open_shards(files), len(files)
+
+
+_verified: dict[str, tuple] = {}  # directory -> the (name, size, mtime) of its files when last verified
+
+
+def verify(path: str | Path) -> str:
+    """Check an output directory's shards against the sha256 its manifest records (once per process
+    while the files are unchanged) and say how that went; raises ShardCorrupt naming each bad file."""
+    from .outputs import check_integrity
+    from .shards import output_shards, read_manifest
+
+    directory = Path(path)
+    manifest = read_manifest(directory) if directory.is_dir() else None
+    if manifest is None:
+        return "no manifest here (a file or a glob): not verified"
+    state = tuple((p.name, st.st_size, st.st_mtime_ns) for p in output_shards(directory) for st in [p.stat()])
+    key = str(directory.resolve())
+    if _verified.get(key, (None,))[0] != state:
+        _verified[key] = (state, check_integrity(directory, manifest), len(state))
+    _, checked, total = _verified[key]
+    if not checked:
+        return "none recorded (a manifest written before checksums): not verified"
+    unlisted = f", {total - checked} not in the manifest" if total > checked else ""
+    return f"sha256 ok ({checked} files{unlisted})"
 
 
 def summarize(path: str | Path) -> dict[str, Any]:
@@ -45,7 +73,7 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "rollouts_with_breaks": sum(1 for s in segments if s > 1),
         "extra_segments_from_breaks": sum(s - 1 for s in segments),
         "finish_reasons": finish, "errors": sum(c["error"] is not None for c in firsts),
-        **_run_record(path),
+        "checksums": verify(path), **_run_record(path),
     }
 
 

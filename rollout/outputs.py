@@ -8,6 +8,10 @@ Complete groups are skipped. Any other rows of a group (a partial group, or a gr
 a version that split groups across files) are removed from their files — each such file is rewritten
 atomically without them — and the whole group is run again, so its advantages come from one run of
 the whole group and no rollout is ever in the shards twice.
+
+Integrity: ``_manifest.json`` records each file's sha256. A resume first removes the hidden
+temporaries a failed or killed run left (``.<name>.tmp``), then checks every listed file against its
+checksum and stops, naming the file, on a mismatch; a file that is not a readable shard stops it too.
 """
 
 from __future__ import annotations
@@ -22,13 +26,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .shards import (
+    CHECKSUM,
+    DATA_DIR,
     MANIFEST,
     SCHEMA_VERSION,
     SUMMARY,
+    ShardCorrupt,
+    ShardWriteError,
+    corrupt_advice,
     file_entry,
     output_shards,
     read_manifest,
     read_table,
+    verify_checksums,
     write_json_atomic,
     write_manifest,
     write_table_atomic,
@@ -74,11 +84,37 @@ def _pick(data: dict[str, Any], dotted: str) -> Any:
     return node
 
 
+def remove_temporaries(out_dir: Path) -> list[Path]:
+    """Delete the hidden temporaries (``.<name>.tmp``, in ``out_dir`` and its ``data/``) that a run
+    which failed or was killed mid-write left: never complete files, and no reader lists them."""
+    removed = []
+    for folder in (out_dir, out_dir / DATA_DIR):
+        if folder.is_dir():
+            for p in folder.glob(".*.tmp"):
+                if p.is_file():
+                    p.unlink(missing_ok=True)
+                    removed.append(p)
+    return removed
+
+
+def check_integrity(out_dir: Path, manifest: dict | None = None) -> int:
+    """Raise :class:`ShardCorrupt` naming every shard whose bytes differ from the manifest's sha256,
+    with what to do; returns the number of files checked (0 for a manifest without checksums)."""
+    checked, problems = verify_checksums(out_dir, manifest)
+    if problems:
+        advice = corrupt_advice("each such file")
+        raise ShardCorrupt("corrupt shard file" + ("s" if len(problems) > 1 else "") + " in "
+                           f"{out_dir}:\n  " + "\n  ".join(problems) + f"\n{advice}")
+    return checked
+
+
 def check_resume(out_dir: Path, config: dict[str, Any], template_sha256: str) -> None:
-    """Raise :class:`ResumeMismatch` naming every differing field when ``out_dir`` was written with
-    another model, sampling, renderer/template, environment or group size. A directory of schema 1
-    (no saved config) is checked against its rows' model and template hash."""
+    """Raise :class:`ShardCorrupt` for a shard that fails its checksum, and :class:`ResumeMismatch`
+    naming every differing field when ``out_dir`` was written with another model, sampling,
+    renderer/template, environment or group size. A directory of schema 1 (no saved config) is
+    checked against its rows' model and template hash."""
     manifest = read_manifest(out_dir) or {}
+    check_integrity(out_dir, manifest)
     saved = manifest.get("config")
     diffs = resume_differences(saved, config) if saved else []
     saved_sha = manifest.get("template_sha256")
@@ -138,15 +174,31 @@ def drop_groups(out_dir: Path, groups: set[str]) -> list[str]:
     index = _index(out_dir)
     hit = index.filter(pc.is_in(index["group_id"], pa.array(sorted(groups), pa.string())))
     changed = sorted(set(hit["file"].to_pylist()))
+    rewritten: dict[str, dict | None] = {}  # file relative to out_dir -> its new manifest entry (None: deleted)
     for name in changed:
         path = Path(name)
         table = read_table(path)
         keep = table.filter(pc.invert(pc.is_in(table["group_id"], pa.array(sorted(groups), pa.string()))))
+        rel = path.relative_to(out_dir).as_posix()
         if keep.num_rows:
-            write_table_atomic(path, _to_current_schema(keep))
+            entry = write_table_atomic(path, _to_current_schema(keep))
+            rewritten[rel] = {**entry, "file": rel}
         else:
             os.remove(path)
+            rewritten[rel] = None
+        # the manifest follows at once: a run killed after this must not find a stale checksum
+        _update_manifest_entries(out_dir, rewritten)
     return changed
+
+
+def _update_manifest_entries(out_dir: Path, entries: dict[str, dict | None]) -> None:
+    manifest = read_manifest(out_dir)
+    if manifest is None or not (out_dir / MANIFEST).exists():  # none (or the flat layout's): rebuilt at the end
+        return
+    files = [entries.get(f["file"], f) for f in manifest.get("files", [])]
+    files = [f for f in files if f is not None]
+    extra = {k: v for k, v in manifest.items() if k not in ("schema_version", "files", "rows", "tokens")}
+    write_manifest(out_dir, files, extra)
 
 
 def _to_current_schema(table: pa.Table) -> pa.Table:
@@ -189,11 +241,19 @@ def rollout_totals(out_dir: Path) -> dict[str, Any]:
     }
 
 
-def write_outputs(out_dir: Path, config: dict[str, Any], run_info: dict[str, Any]) -> dict[str, Any]:
+def write_outputs(out_dir: Path, config: dict[str, Any], run_info: dict[str, Any],
+                  written: list[dict] | None = None) -> dict[str, Any]:
     """Rebuild ``_manifest.json`` and ``_summary.json`` from the shard files on disk (all of them, not
     only this run's) and return the summary: the totals, the run config and sampling params, and
-    ``run_info`` (this run's own figures, under ``this_run``)."""
-    entries = [file_entry(out_dir, p) for p in output_shards(out_dir)]
+    ``run_info`` (this run's own figures, under ``this_run``).
+
+    Checksums: ``written`` (the writers' entries for this run's files, names relative to ``data/``)
+    and the previous manifest (checked when the resume started) are kept; any other file on disk (a
+    run killed before its manifest, an older version's) is hashed as found."""
+    previous = read_manifest(out_dir) if (out_dir / MANIFEST).exists() else None
+    known = {f["file"]: f.get(CHECKSUM) for f in (previous or {}).get("files", [])}
+    known.update({f"{DATA_DIR}/{f['file']}": f.get(CHECKSUM) for f in written or []})
+    entries = [file_entry(out_dir, p, known.get(p.relative_to(out_dir).as_posix())) for p in output_shards(out_dir)]
     sampling = config.get("sampling", {})
     meta = {"summary": SUMMARY, "model": config.get("model"), "renderer": run_info.get("renderer"),
             "template_sha256": run_info.get("template_sha256"), "group_size": config.get("group_size"),
@@ -209,3 +269,14 @@ def write_outputs(out_dir: Path, config: dict[str, Any], run_info: dict[str, Any
     }
     write_json_atomic(out_dir / SUMMARY, summary)
     return summary
+
+
+def write_failure(error: Exception, out_dir: Path, *, summary: dict[str, Any] | None = None,
+                  manifest_error: Exception | None = None) -> ShardWriteError:
+    """The one line ``tito run`` ends with when a write failed: the file and cause, what is on disk,
+    and how to finish (free space, then --resume runs exactly the rollouts not on disk)."""
+    if summary is not None:
+        state = f"{summary['rollouts']} rollouts are on disk in {out_dir} (manifest updated)"
+    else:
+        state = f"the manifest could not be updated either ({manifest_error}); what is on disk in {out_dir} is kept"
+    return ShardWriteError(f"{error}. The run stopped: {state}; free space, then rerun with --resume to run the rest")

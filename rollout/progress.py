@@ -1,7 +1,9 @@
 """What ``tito run`` shows while it runs: a start-up line, a ready line, then progress.
 
-On a terminal the progress is a ``rich`` bar (rollouts done/total, ETA, tokens/s, break rate, mean
-reward, errors). Anywhere else (a log file, CI, a pipe) it is a plain line every ``interval_s`` seconds
+On a terminal the progress is a ``rich`` bar (rollouts done/total, ETA, rollouts written, tokens/s,
+break rate, mean reward, errors). *Done* counts rollouts that finished sampling; *written* counts
+those whose shard file is on disk (files are written per group, every ``output.flush_interval_s``),
+so written trails done by up to a flush interval, and a run whose writes fail shows the gap. Anywhere else (a log file, CI, a pipe) it is a plain line every ``interval_s`` seconds
 and at every ``percent_step`` percent, with no ANSI escape codes and no carriage returns, so a log
 read later still shows how the run went. ``NO_COLOR`` (any non-empty value, https://no-color.org)
 turns colour off everywhere; output that is not a terminal never gets colour or cursor codes.
@@ -14,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,8 +70,13 @@ class Progress:
         self._ticker: threading.Thread | None = None
         self._stop = threading.Event()
         self._last_print = 0.0
-        self._last_printed_done = -1
+        self._last_printed: tuple[int, int] | None = None  # (done, written) on the last plain line
         self._last_step = 0
+        self._watched: Path | None = None  # the shard folder whose new files count as written
+        self._seen: dict[str, int] = {}  # shard file -> rollouts in it (None-free: files never change once named)
+        self._before: set[str] = set()  # files already there when the run started (a resume's)
+        self._last_scan = float("-inf")
+        self.written = 0
         if enabled and self.tty:
             from rich.console import Console
 
@@ -95,6 +103,30 @@ class Progress:
                 self._last_step = step
                 self._print_line()
 
+    def watch(self, folder: str | Path) -> None:
+        """Count as *written* the rollouts in shard files that appear in ``folder`` from now on."""
+        from .shards import output_shards
+
+        self._watched = Path(folder)
+        self._before = {p.name for p in output_shards(self._watched)} if self._watched.is_dir() else set()
+
+    def scan_written(self, min_interval_s: float = 1.0) -> int:
+        """Rollouts in the shard files written since :meth:`watch` (at most one directory listing per
+        ``min_interval_s``; each new file's ``segment_index`` column is read once)."""
+        if self._watched is None or time.perf_counter() - self._last_scan < min_interval_s:
+            return self.written
+        from .shards import ShardCorrupt, output_shards, read_table
+
+        self._last_scan = time.perf_counter()
+        try:
+            for p in output_shards(self._watched) if self._watched.is_dir() else []:
+                if p.name not in self._before and p.name not in self._seen:
+                    self._seen[p.name] = read_table(p, columns=["segment_index"])["segment_index"].to_pylist().count(0)
+        except (OSError, ShardCorrupt):  # a file renamed or removed while listed: counted on the next scan
+            pass
+        self.written = sum(self._seen.values())
+        return self.written
+
     @property
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.start_time
@@ -110,7 +142,8 @@ class Progress:
         rate = self.tokens / max(self.elapsed_s, 1e-9)
         breaks = self.driver.breaks if self.driver is not None else 0
         break_rate = breaks / self.turns if self.turns else 0.0
-        return (f"{rate:,.0f} tok/s  break rate {break_rate:.3f}  mean reward {self.reward_sum / max(self.done, 1):.3f}  "
+        written = f"written {self.scan_written()}  " if self._watched is not None else ""
+        return (f"{written}{rate:,.0f} tok/s  break rate {break_rate:.3f}  mean reward {self.reward_sum / max(self.done, 1):.3f}  "
                 f"errors {self.errors}")
 
     def line(self) -> str:
@@ -159,22 +192,26 @@ class Progress:
             )
             self._task = self._bar.add_task("rollouts", total=self.total, completed=self.done, stats=self.stats())
             self._bar.start()
-        else:
-            self._last_print = time.perf_counter()
-            self._ticker = threading.Thread(target=self._tick, name="tito-progress", daemon=True)
-            self._ticker.start()
+        self._last_print = time.perf_counter()
+        self._ticker = threading.Thread(target=self._tick, name="tito-progress", daemon=True)
+        self._ticker.start()
 
     def _tick(self) -> None:
-        # a line every interval_s even when no rollout finishes (long rollouts must not look like a hang)
+        # a line every interval_s even when no rollout finishes (long rollouts must not look like a hang);
+        # on a terminal, the bar's figures (the written count moves without a rollout finishing)
         while not self._stop.wait(min(self.interval_s, 1.0)):
-            if time.perf_counter() - self._last_print >= self.interval_s:
+            bar = self._bar
+            if bar is not None:
+                bar.update(self._task, stats=self.stats())
+            elif time.perf_counter() - self._last_print >= self.interval_s:
                 self._print_line()
 
     def _print_line(self) -> None:
         with self._lock:
             self._last_print = time.perf_counter()
-            self._last_printed_done = self.done
-            self.stream.write(f"{self.label}: {self.line()}\n")
+            text = self.line()
+            self._last_printed = (self.done, self.written)
+            self.stream.write(f"{self.label}: {text}\n")
             self.stream.flush()
 
     def finish(self) -> None:
@@ -186,11 +223,12 @@ class Progress:
         if self._ticker is not None:
             self._ticker.join(timeout=5)
             self._ticker = None
+        self._last_scan = float("-inf")  # the final figures count every file written, the last flush's included
         if self._bar is not None:
             self._bar.update(self._task, completed=self.done, stats=self.stats())
             self._bar.stop()
             self._bar = None
-        elif not self.tty and self._last_printed_done != self.done:
+        elif not self.tty and self._last_printed != (self.done, self.scan_written()):
             self._print_line()
 
 

@@ -21,7 +21,7 @@ import tito_renderers as renderers
 from tito_renderers import Break
 
 from .samples import SampleBuilder, Segment
-from .shards import BREAKS, DATA_DIR, SAMPLING_COLUMNS, STREAM, ShardWriter
+from .shards import BREAKS, DATA_DIR, SAMPLING_COLUMNS, STREAM, ShardWriteError, ShardWriter
 
 # One turn's result as the driver reports it: (turn, completion ids, logprobs, weight version,
 # the parsed assistant message). The driver parses (the same renderer code on the same tokenizer), so
@@ -185,7 +185,8 @@ class RendererService:
         (one row per segment) with the caller's metadata (task/group ids, reward, components,
         advantage, finish reason, messages, error, and ``sampling``: temperature/top_p/top_k/seed) for
         the shard writer, as one unit. Returns the number of rows. ``tito serve`` calls :meth:`flush`
-        after it to put a closed session on disk at once."""
+        after it to put a closed session on disk at once. Once a write has failed, raises
+        :class:`~rollout.shards.ShardWriteError` (the caller stops: nothing more can reach disk)."""
         rows = self._rows(rollout_id, meta, last_turn)
         if self.writer is not None:
             self.writer.add(rows)
@@ -242,9 +243,16 @@ class RendererService:
         self.rollouts.pop(rollout_id, None)
 
     def close(self) -> dict:
-        files = self.writer.close() if self.writer is not None else []
-        return {"files": files, "break_counts": dict(self.break_counts), "turns_bridged": self.turns_bridged,
-                "cpu_s": time.process_time() - self._cpu_start}
+        """Write what is pending and report: the files written, ``write_error`` (the first failed write,
+        naming the file and the cause; None if every write succeeded), break counts, CPU time."""
+        files, write_error = [], None
+        if self.writer is not None:
+            try:
+                files = self.writer.close()
+            except ShardWriteError as exc:
+                files, write_error = self.writer.files, str(exc)
+        return {"files": files, "write_error": write_error, "break_counts": dict(self.break_counts),
+                "turns_bridged": self.turns_bridged, "cpu_s": time.process_time() - self._cpu_start}
 
     def _log_break(self, rollout_id: str, brk: dict[str, Any]) -> None:
         """Count a break by reason and append it to breaks.jsonl: ``brk`` holds turn, reason, detail, position."""

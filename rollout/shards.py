@@ -6,12 +6,16 @@ Hadoop/Spark ``_SUCCESS`` convention) makes ``pyarrow.dataset``, pandas and Spar
 ``train-`` file prefix makes ``datasets.load_dataset(out_dir)`` pick the shards as its train split, so
 readers work on the directory itself (polars, which reads every file under a directory, through a glob
 rooted at it: docs/shards.md). Files are written under a temporary name and
-renamed when complete, so a reader never sees a partial file. The schema, with a description of
+renamed when complete, so a reader never sees a partial file; the manifest records each file's
+sha256, which ``tito run --resume`` and ``tito inspect`` check. A write that fails (a full disk) removes
+its temporary and raises :class:`ShardWriteError` naming the file. The schema, with a description of
 every column, is stored in each file's metadata and documented in docs/shards.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import threading
@@ -71,6 +75,23 @@ def schema() -> pa.Schema:
 
 SCHEMA = schema()
 
+CHECKSUM = "sha256"  # the manifest key of each file's checksum: hashlib's, ~1.6 GB/s with SHA-NI
+
+
+class ShardWriteError(OSError, ValueError):
+    """A shard, manifest or summary could not be written (a full disk, a read-only directory): the
+    message names the file and the cause. Nothing half-written is left: the temporary is removed.
+    A ValueError too, so the CLI prints it as one line instead of a traceback."""
+
+
+class ShardCorrupt(ValueError):
+    """A shard file that does not match its manifest checksum, or cannot be read as a shard."""
+
+
+def corrupt_advice(path: str | Path) -> str:
+    return (f"move {path} aside (its rollouts are then run again by tito run --resume) "
+            "or restore it from a copy")
+
 
 def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
     """Rows as a table of the schema; the sampling columns may be left out (null: a caller that does not
@@ -111,6 +132,9 @@ class ShardWriter:
         self._timer: threading.Timer | None = None
         self._seq = _next_seq(self.dir, stream, self.suffix)  # resume after existing files, never reuse a name
         self.files: list[dict] = []
+        # the first failed write: from then on the writer writes nothing and every call raises it, so
+        # the caller stops at the next group (a timer-thread failure has no caller to raise to)
+        self.error: ShardWriteError | None = None
 
     @property
     def suffix(self) -> str:
@@ -123,16 +147,18 @@ class ShardWriter:
     def add(self, rows: list[dict[str, Any]]) -> list[dict]:
         """Validate one unit of rows against the schema (a bad row raises here and nothing is kept);
         returns the files this call wrote (none while the unit waits for more)."""
+        self._raise_if_failed()
         if not rows:
             return []
         table = rows_to_table(rows)
         with self._lock:
+            self._raise_if_failed()
             self._pending.append(table)
             self._pending_rows += table.num_rows
             if self._pending_rows >= self.rows_per_file or self.flush_interval_s == 0:
                 return self._flush_locked()
             if self.flush_interval_s is not None and self._timer is None:
-                self._timer = threading.Timer(self.flush_interval_s, self.flush)
+                self._timer = threading.Timer(self.flush_interval_s, self._timed_flush)
                 self._timer.daemon = True
                 self._timer.start()
         return []
@@ -143,19 +169,35 @@ class ShardWriter:
             return self._flush_locked()
 
     def close(self) -> list[dict]:
-        """Flush and stop the timer; returns every file this writer wrote."""
+        """Flush and stop the timer; returns every file this writer wrote. Raises
+        :class:`ShardWriteError` if any write failed (``files`` still lists the files that were written)."""
         self.flush()
         return self.files
+
+    def _timed_flush(self) -> None:
+        with contextlib.suppress(ShardWriteError):  # kept in self.error: the next add/flush/close raises it
+            self.flush()
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise ShardWriteError(str(self.error))
 
     def _flush_locked(self) -> list[dict]:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._raise_if_failed()
         if not self._pending_rows:
             return []
         # one record batch per file (readers stream batches; many one-group batches would be slow)
-        entry = self._write(pa.concat_tables(self._pending).combine_chunks())
+        table = pa.concat_tables(self._pending).combine_chunks()
+        # pending rows leave memory either way: written, or (a failed write) rerun by --resume
         self._pending, self._pending_rows = [], 0
+        try:
+            entry = self._write(table)
+        except ShardWriteError as exc:
+            self.error = exc
+            raise
         return [entry]
 
     def _write(self, table: pa.Table) -> dict:
@@ -175,19 +217,47 @@ def _next_seq(directory: Path, stream: str, suffix: str) -> int:
     return max(seqs) + 1 if seqs else 0
 
 
+def temporary_name(path: Path) -> Path:
+    """The hidden name a file is written under before it is renamed into place."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def _write_bytes_atomic(path: Path, data: bytes | memoryview | pa.Buffer) -> None:
+    """``data`` to a hidden temporary, fsync, rename to ``path``. A failure removes the temporary and
+    raises :class:`ShardWriteError` naming ``path`` and the cause (ENOSPC: no space left on device)."""
+    tmp = temporary_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise ShardWriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
 def write_table_atomic(path: Path, table: pa.Table) -> dict:
     """Write ``table`` to ``path`` (format by suffix) via a hidden temporary, fsync, rename; returns the
-    manifest entry (file name relative to the data directory, rows, tokens)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    manifest entry (file name relative to the data directory, rows, tokens, sha256 of the bytes).
+    The file is built in memory first, so its checksum is that of the exact bytes written."""
+    sink = pa.BufferOutputStream()
     if path.suffix == ".arrow":
-        with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, SCHEMA) as writer:
+        with ipc.new_file(sink, SCHEMA) as writer:
             writer.write_table(table)
     else:
-        pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return {"file": path.name, "rows": table.num_rows, "tokens": _tokens(table)}
+        pq.write_table(table, sink)
+    data = sink.getvalue()
+    _write_bytes_atomic(path, data)
+    return {"file": path.name, "rows": table.num_rows, "tokens": _tokens(table),
+            CHECKSUM: hashlib.sha256(data).hexdigest()}
+
+
+def file_checksum(path: str | Path) -> str:
+    """sha256 of a file's bytes (streamed: a file larger than memory is fine)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, CHECKSUM).hexdigest()
 
 
 def _tokens(table: pa.Table) -> int:
@@ -195,15 +265,13 @@ def _tokens(table: pa.Table) -> int:
 
 
 def write_json_atomic(path: Path, data: Any) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False))
-    os.replace(tmp, path)
+    _write_bytes_atomic(path, json.dumps(data, indent=2, ensure_ascii=False).encode())
     return path
 
 
 def write_manifest(directory: str | Path, files: list[dict], extra: dict[str, Any] | None = None) -> Path:
     """``_manifest.json``: every finished shard file (path relative to ``directory``) with its row and
-    token counts (written atomically)."""
+    token counts and sha256 (written atomically)."""
     directory = Path(directory)
     manifest = {"schema_version": SCHEMA_VERSION, "files": sorted(files, key=lambda f: f["file"]),
                 "rows": sum(f["rows"] for f in files), "tokens": sum(f.get("tokens", 0) for f in files),
@@ -232,17 +300,52 @@ def output_shards(directory: str | Path) -> list[Path]:
     return sorted(found)
 
 
-def file_entry(directory: str | Path, path: Path) -> dict:
-    """A manifest entry for an existing shard file, from the file itself (rows, tokens)."""
+def file_entry(directory: str | Path, path: Path, checksum: str | None = None) -> dict:
+    """A manifest entry for an existing shard file, from the file itself (rows, tokens; the sha256 of
+    its bytes unless the caller already has it)."""
     table = read_table(path, columns=["token_ids"])
-    return {"file": path.relative_to(directory).as_posix(), "rows": table.num_rows, "tokens": _tokens(table)}
+    return {"file": path.relative_to(directory).as_posix(), "rows": table.num_rows, "tokens": _tokens(table),
+            CHECKSUM: checksum or file_checksum(path)}
+
+
+def verify_checksums(directory: str | Path, manifest: dict | None = None) -> tuple[int, list[str]]:
+    """Check every shard on disk that the manifest has a checksum for: (files checked, one problem line
+    per mismatch naming the file). Files the manifest does not list (a manifest of an older version
+    without checksums, or files of a run killed before it wrote its manifest) are not checked."""
+    directory = Path(directory)
+    manifest = read_manifest(directory) if manifest is None else manifest
+    known = {f["file"]: f[CHECKSUM] for f in (manifest or {}).get("files", []) if f.get(CHECKSUM)}
+    checked, problems = 0, []
+    for path in output_shards(directory):
+        want = known.get(path.relative_to(directory).as_posix())
+        if want is None:
+            continue
+        checked += 1
+        got = file_checksum(path)
+        if got != want:
+            problems.append(f"{path}: sha256 {got[:16]} differs from the manifest's {want[:16]} (the file changed "
+                            f"after it was written)")
+    return checked, problems
 
 
 def read_table(path: str | Path, columns: list[str] | None = None) -> pa.Table:
-    """One shard file (Arrow IPC or Parquet) as a table (optionally only ``columns``)."""
+    """One shard file (Arrow IPC or Parquet) as a table (optionally only ``columns``). A file that is
+    not a readable shard (truncated, overwritten) raises :class:`ShardCorrupt` naming it."""
     path = Path(path)
-    if path.suffix == ".parquet":
-        return pq.read_table(path, columns=columns)
-    with pa.memory_map(str(path)) as source:
-        table = ipc.open_file(source).read_all()
-    return table.select(columns) if columns else table
+    try:
+        if path.suffix == ".parquet":
+            return pq.read_table(path, columns=columns)
+        with pa.memory_map(str(path)) as source:
+            table = ipc.open_file(source).read_all()
+        return table.select(columns) if columns else table
+    except (pa.ArrowInvalid, pa.ArrowKeyError, pa.ArrowNotImplementedError) as exc:
+        raise ShardCorrupt(f"{path}: not a readable shard file ({exc}); {corrupt_advice(path)}") from exc
+
+
+def write_error_of(exc: BaseException) -> ShardWriteError | None:
+    """The :class:`ShardWriteError` behind ``exc``: itself, or the cause of a Ray task error (a renderer
+    actor's failed write reaches the driver wrapped, its message a remote traceback)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, ShardWriteError):
+        return cause
+    return exc if isinstance(exc, ShardWriteError) and cause is None else None
