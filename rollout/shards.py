@@ -284,7 +284,11 @@ def read_manifest(directory: str | Path) -> dict | None:
     for name in (MANIFEST, "manifest.json"):
         path = Path(directory) / name
         if path.exists():
-            return json.loads(path.read_text())
+            try:
+                return json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ShardCorrupt(f"{path}: not a readable manifest ({exc}); move it aside: tito run --resume "
+                                   "rebuilds it from the shard files (which are then not checked)") from exc
     return None
 
 

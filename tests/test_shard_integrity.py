@@ -96,6 +96,13 @@ def test_truncated_file_is_named(tmp_path):
         complete_groups(out, 2)
 
 
+def test_unreadable_manifest_is_named(tmp_path):
+    out, _ = _output_dir(tmp_path)
+    (out / MANIFEST).write_bytes(b'{"files": [')  # cut short
+    with pytest.raises(ShardCorrupt, match=f"{out / MANIFEST}: not a readable manifest"):
+        check_resume(out, {"group_size": 2}, "")
+
+
 def test_inspect_verifies_and_names_a_bad_file(tmp_path):
     out, _ = _output_dir(tmp_path)
     assert summarize(out)["checksums"] == "sha256 ok (4 files)"
