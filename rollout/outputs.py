@@ -101,10 +101,11 @@ def check_integrity(out_dir: Path, manifest: dict | None = None) -> int:
     """Raise :class:`ShardCorrupt` naming every shard whose bytes differ from the manifest's sha256,
     with what to do; returns the number of files checked (0 for a manifest without checksums)."""
     checked, problems = verify_checksums(out_dir, manifest)
+    if len(problems) == 1:  # one line, as every other error of tito run
+        raise ShardCorrupt(f"{problems[0]}; {corrupt_advice('it')}")
     if problems:
-        advice = corrupt_advice("each such file")
-        raise ShardCorrupt("corrupt shard file" + ("s" if len(problems) > 1 else "") + " in "
-                           f"{out_dir}:\n  " + "\n  ".join(problems) + f"\n{advice}")
+        raise ShardCorrupt(f"{len(problems)} corrupt shard files in {out_dir}:\n  " + "\n  ".join(problems)
+                           + f"\n{corrupt_advice('them', several=True)}")
     return checked
 
 

@@ -88,9 +88,11 @@ class ShardCorrupt(ValueError):
     """A shard file that does not match its manifest checksum, or cannot be read as a shard."""
 
 
-def corrupt_advice(path: str | Path) -> str:
-    return (f"move {path} aside (its rollouts are then run again by tito run --resume) "
-            "or restore it from a copy")
+def corrupt_advice(path: str | Path, several: bool = False) -> str:
+    """What to do about a corrupt shard (or, ``several``, corrupt shards called ``path``)."""
+    if several:
+        return f"move {path} aside (tito run --resume then runs their rollouts again) or restore them from a copy"
+    return f"move {path} aside (tito run --resume then runs its rollouts again) or restore it from a copy"
 
 
 def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
