@@ -78,3 +78,37 @@ def test_engine_options_the_backend_does_not_take_are_refused_naming_them():
         _check_engine_options("vllm", {"threads": 1})  # what configs/serve.yaml sets for the embedded engine
     with pytest.raises(ValueError, match="thread not an option of the embedded backend"):
         _check_engine_options("embedded", {"thread": 2})
+
+
+# Task files: a repeated task id or a line that is not UTF-8 is named by file and line.
+
+def test_a_repeated_task_id_is_refused_with_file_and_line(tmp_path):
+    from rollout.envs.tasks import TaskFileError, load_tasks
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"prompt": "a", "task_id": "dup"}\n\n{"prompt": "b", "task_id": "dup"}\n')
+    with pytest.raises(TaskFileError, match=rf"{path}, row 1 \(line 3\), column 'task_id': 'dup' already used by "
+                                            r"row 0 \(line 1\)"):
+        load_tasks(path)
+    path.write_text('{"prompt": "a", "task_id": 7}\n{"prompt": "b", "task_id": "7"}\n')  # both become "7"
+    with pytest.raises(TaskFileError, match=r"line 2\), column 'task_id': '7' already used"):
+        load_tasks(path)
+    path.write_text('{"prompt": "same"}\n{"prompt": "same"}\n')  # the derived id repeats
+    with pytest.raises(TaskFileError, match=r"row 1 \(line 2\): the same messages and answer as row 0 \(line 1\)"):
+        load_tasks(path)
+    loaded = load_tasks(path, skip_bad_rows=True)  # skipping keeps the first
+    assert len(loaded) == 1 and loaded.skipped == 1
+
+
+def test_a_task_file_that_is_not_utf8_names_file_and_line(tmp_path):
+    from rollout.envs.tasks import TaskFileError, load_tasks
+
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b'\xff{"prompt": "a"}\n')
+    with pytest.raises(TaskFileError, match=rf"{path}, row 0 \(line 1\): not UTF-8 text: byte 0xff at column 1"):
+        load_tasks(path)
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n{"prompt": "c"}\n')
+    loaded = load_tasks(path, skip_bad_rows=True)
+    assert [t.messages[0]["content"] for t in loaded] == ["a", "c"] and "(line 2): not UTF-8" in loaded.errors[0]
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n')  # a byte order mark is not an error
+    assert load_tasks(path).tasks[0].messages[0]["content"] == "a"

@@ -8,7 +8,8 @@ A task file has one task per row, in one of two schemas:
 
 Optional columns: ``answer`` (a string or a number; numbers are turned into their decimal string),
 ``task_id`` (a string or an integer; otherwise ``sha256`` of the messages and answer, so the id of a task
-does not change when the file is reordered or filtered), ``metadata`` (an object merged into the task's
+does not change when the file is reordered or filtered; ids must be unique in a file, since a task's rollouts
+are named by it), ``metadata`` (an object merged into the task's
 metadata). Every other column is copied into ``metadata``. Keys whose value is null are dropped from
 messages first, because Parquet stores a list of messages as structs with every field of any message.
 
@@ -79,9 +80,12 @@ def load_tasks(path: str | Path, *, skip_bad_rows: bool = False, file_format: st
     else:
         raise TaskFileError(f"{path}: unknown task file format {kind!r} (use jsonl or parquet)")
     loaded = LoadedTasks(tasks=[])
+    first_row_of: dict[str, str] = {}  # task id -> where it first appeared
     for where, row in rows:
         try:
-            loaded.tasks.append(_task_from_row(row, path))
+            task = _task_from_row(row, path)
+            _check_new_id(task.task_id, row, where, first_row_of)
+            loaded.tasks.append(task)
         except _RowError as e:
             column = f", column {e.column!r}" if e.column else ""
             message = f"{path}, {where}{column}: {e}"
@@ -91,6 +95,18 @@ def load_tasks(path: str | Path, *, skip_bad_rows: bool = False, file_format: st
             if len(loaded.errors) < _KEPT_ERRORS:
                 loaded.errors.append(message)
     return loaded
+
+
+def _check_new_id(task_id: str, row: Mapping[str, Any], where: str, first_row_of: dict[str, str]) -> None:
+    """A task id seen before is refused: the two tasks' rollouts would share ids (``<task_id>#0``...),
+    collide in the engines and the shards, and a resume would take one task's group for the other's."""
+    first = first_row_of.setdefault(task_id, where)
+    if first == where:
+        return
+    if row.get("task_id") is None:  # derived from the content: the same messages and answer twice
+        raise _RowError(None, f"the same messages and answer as {first} (task id {task_id} is derived from them): "
+                              "remove one, or give each a distinct 'task_id'")
+    raise _RowError("task_id", f"{task_id!r} already used by {first}: task ids must be unique")
 
 
 def _format_of(path: Path) -> str:
@@ -105,10 +121,19 @@ def _format_of(path: Path) -> str:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """``("row R (line L)", parsed object)`` per non-blank line; invalid JSON becomes a bad row."""
+    """``("row R (line L)", parsed object)`` per non-blank line; invalid JSON or a line that is not UTF-8
+    becomes a bad row (a UTF-8 byte order mark before the first line is skipped)."""
     row = 0
-    with path.open("r", encoding="utf-8", errors="strict") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                where = f"row {row} (line {line_no})"
+                row += 1
+                yield where, _RowError(None, f"not UTF-8 text: byte 0x{raw[e.start]:02x} at column {e.start + 1} "
+                                             f"({e.reason})")
+                continue
             if not line.strip():
                 continue
             where = f"row {row} (line {line_no})"
