@@ -9,7 +9,7 @@ def cmd_run(args) -> int:
     import sys
 
     from .config import load_config
-    from .run import RunInterrupted, _signals_raise, print_summary, run
+    from .run import RunInterrupted, _signals_raise, print_summary, run, shutdown_ray
 
     overrides = list(args.set)
     if args.format:
@@ -19,20 +19,25 @@ def cmd_run(args) -> int:
     if args.out:
         overrides.append(f"output.dir={args.out}")
     cfg = load_config(args.config, overrides)
-    try:
-        with _signals_raise():  # Ctrl-C / SIGTERM: one line and 128 + signal, never a traceback
+    # Ctrl-C / SIGTERM: one line and 128 + signal, never a traceback; later ones are ignored until the exit
+    with _signals_raise(ignore_after=True):
+        try:
             summary = run(cfg, resume=args.resume, progress=not args.quiet)
-    except RunInterrupted as exc:
-        if exc.summary is None:
-            print(f"tito run: {exc}: before any rollout ran; nothing new written to {cfg.output.dir}", file=sys.stderr)
+        except RunInterrupted as exc:
+            if exc.summary is None:
+                print(f"tito run: {exc}: before any rollout ran; nothing new written to {cfg.output.dir}",
+                      file=sys.stderr)
+            else:
+                s = exc.summary
+                print(f"tito run: {exc}: {s['this_run']['rollouts']} rollouts written this run, {s['rollouts']} in "
+                      f"all in {cfg.output.dir}; rerun with --resume to finish", file=sys.stderr)
+            return 128 + exc.signum
         else:
-            s = exc.summary
-            print(f"tito run: {exc}: {s['this_run']['rollouts']} rollouts written this run, {s['rollouts']} in all "
-                  f"in {cfg.output.dir}; rerun with --resume to finish", file=sys.stderr)
-        return 128 + exc.signum
-    print(f"tito run: {cfg.output.dir}")
-    print_summary(summary)
-    return 0 if summary["rollouts"] else 1
+            print(f"tito run: {cfg.output.dir}")
+            print_summary(summary)
+            return 0 if summary["rollouts"] else 1
+        finally:  # Ray stops now, with signals ignored, rather than in its exit hook
+            shutdown_ray()
 
 
 def cmd_inspect(args) -> int:

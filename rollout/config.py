@@ -6,19 +6,51 @@ ignored setting.
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+# what every engine accepts per request; the seed range is also the shards' int64 seed column's
+from .engines.protocol import INT64_MAX, INT64_MIN, MIN_TEMPERATURE
 
 
 class ConfigError(ValueError):
     """A configuration problem; the text names the key."""
 
 
+def _is_number(annotation: Any) -> bool:
+    """``int`` or ``float``, optionally ``| None``: a field where YAML ``true``/``false`` is a mistake."""
+    if annotation in (int, float):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        rest = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return bool(rest) and all(_is_number(a) for a in rest)
+    return False
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1 and false as 0: `group_size: true` would quietly run groups of 1
+        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"must be a number, got {str(value).lower()}")
+        return value
 
 
 class EngineConfig(_Strict):
@@ -26,9 +58,16 @@ class EngineConfig(_Strict):
     count: int = Field(1, ge=1, description="engine actors to start")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the backend")
     max_concurrency: int = Field(64, ge=1, description="requests one engine actor serves at once")
-    num_cpus: float | None = Field(None, ge=0, description="Ray CPUs per engine actor (default: embedded 1, vllm 1, replay 0)")
-    num_gpus: float | None = Field(None, ge=0, description="Ray GPUs per engine actor (default: vllm 1, others 0)")
+    num_cpus: float | None = Field(None, ge=0, allow_inf_nan=False, description=(
+        "Ray CPUs per engine actor (default: embedded 1, vllm 1, replay 0; a local run that cannot fit them "
+        "gives each engine an equal share of the CPUs left by the renderer actors)"))
+    num_gpus: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                   description="Ray GPUs per engine actor (default: vllm 1, others 0)")
     overload_factor: float = Field(1.5, gt=1, description="sticky routing leaves an engine busier than this x the least loaded")
+    placement: Literal["spread", "pack"] = Field(
+        "spread", description="spread: engine actors over as many Ray nodes as fit; pack: Ray's default placement")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per engine actor "
+                                                                         "(pins engines to the nodes offering them)")
 
 
 class RendererConfig(_Strict):
@@ -36,6 +75,9 @@ class RendererConfig(_Strict):
     template_kwargs: dict[str, Any] = Field(default_factory=dict)
     thinking_retention: Literal["keep", "template"] = "keep"
     actors: int = Field(1, ge=1, description="renderer actors side by side")
+    num_cpus: float = Field(0.25, ge=0, description="Ray CPUs per renderer actor")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per renderer actor "
+                                                                         "(places the shard writers on those nodes)")
 
 
 class EnvConfig(_Strict):
@@ -50,10 +92,19 @@ class TasksConfig(_Strict):
 
 
 class SamplingConfig(_Strict):
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False,
+                               description=f"0 (greedy) or at least {MIN_TEMPERATURE}, as every engine accepts")
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = 0
-    seed: int | None = None
+    top_k: int = Field(0, ge=-1, description="0 or -1: off; k >= 1: sample from the k likeliest tokens")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX,
+                             description="none, or a signed 64-bit integer (the shards' seed column): each turn's seed derives from it")
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_too_small(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {value}")
+        return value
 
 
 class AdvantageConfig(_Strict):
@@ -101,6 +152,18 @@ class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="address to listen on (loopback by default)")
     port: int = Field(8000, ge=0, le=65535, description="0 = any free port")
     log_level: str = "warning"
+    # SecretStr: the key never shows in a repr, a dump or an error message
+    api_key: SecretStr | None = Field(
+        None, description="clients must send 'Authorization: Bearer <key>' on every route but /health and "
+                          "/liveness (401 otherwise); none = the TITO_API_KEY environment variable, else no key")
+    admin_api_key: SecretStr | None = Field(
+        None, description="the admin routes (weights, pause/resume, sleep/wake_up, prefix cache) take only this "
+                          "key; none = TITO_ADMIN_API_KEY, else api_key")
+    weights_root: str | None = Field(
+        None, description="/update_weights loads only directories under this one (403 otherwise); none = "
+                          "every weight update is refused")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request body not received in full this long after "
+                                                          "the request started is refused with 408")
 
 
 class SessionsConfig(_Strict):
@@ -152,13 +215,28 @@ def _set_path(data: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _format_error(exc: ValidationError) -> str:
+def _description(schema: type[BaseModel], loc: tuple) -> str | None:
+    """The description of the field at ``loc`` (what it means and accepts), if it has one."""
+    field = None
+    for part in loc:
+        field = schema.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        inner = [a for a in (field.annotation, *typing.get_args(field.annotation)) if isinstance(a, type)]
+        schema = next((a for a in inner if issubclass(a, BaseModel)), BaseModel)
+    return field.description if field is not None else None
+
+
+def _format_error(exc: ValidationError, schema: type[BaseModel]) -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        lines.append(f"  {key}: {msg}")
-    return "invalid configuration:\n" + "\n".join(lines)
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        about = _description(schema, err["loc"]) if err["type"] != "extra_forbidden" else None
+        lines.append(f"{key}: {msg}" + (f" — {about}" if about else ""))
+    if len(lines) == 1:  # the usual case: one line, the key and what it accepts
+        return f"invalid configuration: {lines[0]}"
+    return "invalid configuration:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), schema: type[_Strict] = RunConfig) -> Any:
@@ -184,4 +262,4 @@ def load_config(path: str | Path | None, overrides: list[str] = (), schema: type
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc)) from None
+        raise ConfigError(_format_error(exc, schema)) from None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from rollout.config import ConfigError, load_config
@@ -80,6 +83,41 @@ def test_engine_options_the_backend_does_not_take_are_refused_naming_them():
         _check_engine_options("embedded", {"thread": 2})
 
 
+# Issue 23: every bad value is a one-line error naming the key and what it accepts, before Ray starts.
+
+@pytest.mark.parametrize("override, named", [
+    ("sampling.top_k=-5", r"sampling\.top_k: Input should be greater than or equal to -1 — 0 or -1: off"),
+    ("sampling.seed=99999999999999999999999", r"sampling\.seed: Input should be less than or equal to 9223372036854775807"),
+    ("sampling.seed=-9223372036854775809", r"sampling\.seed: Input should be greater than or equal to -9223372036854775808"),
+    ("sampling.temperature=true", r"sampling\.temperature: must be a number, got true — 0 \(greedy\) or at least 0\.01"),
+    ("sampling.temperature=0.001", r"sampling\.temperature: must be 0 \(greedy\) or at least 0\.01, got 0\.001"),
+    ("sampling.temperature=.inf", r"sampling\.temperature: Input should be a finite number"),
+    ("group_size=true", r"group_size: must be a number, got true — rollouts per task"),
+    ("engine.num_cpus=false", r"engine\.num_cpus: must be a number, got false"),
+    ("renderer.actors=true", r"renderer\.actors: must be a number, got true"),
+])
+def test_bad_values_are_one_line_naming_the_key_and_what_it_accepts(override, named):
+    with pytest.raises(ConfigError, match=r"^invalid configuration: " + named) as err:
+        load_config(REPO / "configs" / "demo.yaml", [override])
+    assert "\n" not in str(err.value)
+
+
+def test_values_the_engines_accept_are_accepted():
+    cfg = load_config(None, ["sampling.top_k=-1", "sampling.seed=9223372036854775807", "sampling.temperature=0",
+                             "advantage.normalize_std=true", "renderer.template_kwargs.enable_thinking=false"])
+    assert (cfg.sampling.top_k, cfg.sampling.seed, cfg.sampling.temperature) == (-1, 2**63 - 1, 0.0)
+    assert cfg.advantage.normalize_std is True and cfg.renderer.template_kwargs == {"enable_thinking": False}
+    assert load_config(None, ["sampling.seed=-9223372036854775808", "sampling.top_k=40"]).sampling.top_k == 40
+
+
+def test_cli_config_error_is_rc2_and_one_line(capsys):
+    from rollout.cli import main
+
+    assert main(["run", "configs/demo.yaml", "--out", "/nonexistent/never", "--set", "sampling.top_k=-5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tito run: error: invalid configuration: sampling.top_k:") and err.count("\n") == 1, err
+
+
 # Task files: a repeated task id or a line that is not UTF-8 is named by file and line.
 
 def test_a_repeated_task_id_is_refused_with_file_and_line(tmp_path):
@@ -112,3 +150,100 @@ def test_a_task_file_that_is_not_utf8_names_file_and_line(tmp_path):
     assert [t.messages[0]["content"] for t in loaded] == ["a", "c"] and "(line 2): not UTF-8" in loaded.errors[0]
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n')  # a byte order mark is not an error
     assert load_tasks(path).tasks[0].messages[0]["content"] == "a"
+
+
+# Output directories: checked by writing a probe file where the first file will go; nothing is left.
+
+def test_output_dirs_that_cannot_be_written_are_refused_before_anything(tmp_path):
+    from rollout.run import _check_output_dir
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match=rf"output.dir {a_file}: is a file, not a directory"):
+        _check_output_dir(a_file)
+    with pytest.raises(ValueError, match=rf"output.dir {a_file}/sub: is under {a_file}, a file, not a directory"):
+        _check_output_dir(a_file / "sub")
+    with pytest.raises(ValueError, match=r"output.dir /proc/x/y: cannot write in /proc: "):
+        _check_output_dir(Path("/proc/x/y"))
+    _check_output_dir(tmp_path / "new" / "deeper")  # writable: fine, and nothing created
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    (tmp_path / "run" / "data").mkdir(parents=True)  # a resume: the directory and its data/ are probed
+    times = {p: p.stat().st_mtime_ns for p in (tmp_path / "run", tmp_path / "run" / "data")}
+    _check_output_dir(tmp_path / "run")
+    assert {p: p.stat().st_mtime_ns for p in times} == times and not any((tmp_path / "run" / "data").iterdir())
+
+
+def test_an_immutable_output_dir_is_refused(tmp_path):
+    """Root ignores mode bits: an immutable directory (chattr +i, ext4) is what nobody can write."""
+    from rollout.run import _check_output_dir
+
+    locked = tmp_path / "locked"
+    (locked / "data").mkdir(parents=True)
+    if subprocess.run(["chattr", "+i", str(locked / "data")], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here (needs root and a file system with the immutable flag)")
+    try:
+        with pytest.raises(ValueError, match=rf"cannot write in {locked}/data: Operation not permitted"):
+            _check_output_dir(locked)  # a resume into it: its data/ is probed too
+        subprocess.run(["chattr", "+i", str(locked)], check=True)
+        with pytest.raises(ValueError, match=rf"output.dir {locked}/new: cannot write in {locked}: "):
+            _check_output_dir(locked / "new")
+    finally:
+        subprocess.run(["chattr", "-i", str(locked), str(locked / "data")], check=True)
+    assert sorted(p.name for p in locked.iterdir()) == ["data"] and not any((locked / "data").iterdir())
+
+
+# Ray CPUs: the actors must fit, else Ray never places them and the run sits at 0 rollouts.
+
+def test_engines_share_the_local_cpus_or_the_run_stops_with_the_numbers():
+    from rollout.run import _fit_cpus
+
+    cfg = load_config(REPO / "configs" / "demo.yaml")  # 1 embedded engine (1 CPU) + 1 renderer (0.25)
+    assert _fit_cpus(cfg, 2) == (None, None)
+    share, note = _fit_cpus(load_config(REPO / "configs" / "demo.yaml", ["engine.count=2"]), 2)
+    assert share == 0.875 and "= 2.25 CPUs and the local Ray has 2: each engine actor takes 0.875 CPU" in note
+    with pytest.raises(ValueError, match=r"2 engine actor\(s\) x 1 \+ 1 renderer actor\(s\) x 0.25 = 2.25 CPUs but "
+                                         r"the local Ray has 2 CPUs .*use --set engine.num_cpus=0.875"):
+        _fit_cpus(load_config(REPO / "configs" / "demo.yaml", ["engine.count=2", "engine.num_cpus=1"]), 2)
+    with pytest.raises(ValueError, match=r"smaller renderer.num_cpus \(the renderers alone need 2\)"):
+        _fit_cpus(load_config(REPO / "configs" / "demo.yaml", ["renderer.actors=8"]), 2)
+    assert _fit_cpus(load_config(None, ["engine.backend=replay", "engine.count=16"]), 1) == (None, None)
+
+
+# Signals, with real signals to this process: only the first stops a run; during ray.init it waits.
+
+def test_only_the_first_signal_interrupts():
+    import os
+    import signal
+
+    from rollout.run import RunInterrupted, _signals_raise
+
+    with pytest.raises(RunInterrupted) as first, _signals_raise():
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [])  # a point where the handler runs
+    assert first.value.signum == signal.SIGTERM
+    with _signals_raise():  # a new run starts afresh; inside one, a second signal is ignored
+        with pytest.raises(RunInterrupted):
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        os.kill(os.getpid(), signal.SIGINT)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_while_ray_starts_is_raised_once_it_is_up():
+    import os
+    import signal
+
+    import ray._private.utils as ray_utils
+
+    from rollout.run import RunInterrupted, _signals_deferred, _signals_raise
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RunInterrupted) as got, _signals_raise(), _signals_deferred():
+        ray_utils.set_sigterm_handler(lambda *_: None)  # what ray.init does: here a no-op
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        reached = True  # neither signal cut this block short
+    assert reached and got.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -38,8 +38,17 @@ STORE = 80 * 2**20  # object store per node: the cluster shares this machine's m
 
 @pytest.fixture(scope="module")
 def cluster():
+    import shutil
+    import tempfile
+
     from ray.cluster_utils import Cluster
 
+    # Ray keeps its sessions and the machine-wide "current cluster" address file under RAY_TMPDIR: a private
+    # one, so this cluster never overwrites or deletes /tmp/ray/ray_current_cluster of another run on the
+    # machine. Short, because Ray's Unix socket paths below it must stay under 107 characters.
+    ray_tmp = tempfile.mkdtemp(prefix="tito-ray-", dir="/tmp")
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = ray_tmp
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
                                                       "object_store_memory": STORE})
     try:
@@ -49,6 +58,11 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture

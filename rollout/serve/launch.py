@@ -8,6 +8,7 @@ routes' ``ServerState``; ``serve(cfg)`` runs uvicorn in the foreground (``tito s
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,16 @@ from ..engines.protocol import close_backend
 from .app import ServerState, create_app
 from .fleet import Fleet
 from .sessions import SessionManager
+
+API_KEY_ENV = "TITO_API_KEY"
+ADMIN_API_KEY_ENV = "TITO_ADMIN_API_KEY"
+
+
+def _secret(value: Any, env: str) -> str | None:
+    """A key from the config (a SecretStr), else from the environment variable ``env``; None when neither
+    (an empty value is none, as vLLM reads VLLM_API_KEY)."""
+    key = value.get_secret_value() if value is not None else os.environ.get(env, "")
+    return key or None
 
 
 def build_state(cfg: ServeConfig) -> tuple[ServerState, list[Any]]:
@@ -45,7 +56,8 @@ def build_state(cfg: ServeConfig) -> tuple[ServerState, list[Any]]:
         engines = start_engine_actors(specs)
         infos = ray.get([e.start.remote() for e in engines])
     renderer_actors = start_renderer_actors(
-        cfg.renderer.actors, model_path, renderer_name=cfg.renderer.name, template_kwargs=cfg.renderer.template_kwargs,
+        cfg.renderer.actors, model_path, num_cpus=cfg.renderer.num_cpus, resources=dict(cfg.renderer.resources),
+        renderer_name=cfg.renderer.name, template_kwargs=cfg.renderer.template_kwargs,
         thinking_retention=cfg.renderer.thinking_retention, out_dir=out_dir, fmt=cfg.output.format,
         rows_per_file=cfg.output.rows_per_file, model_name=cfg.served_model_name or cfg.model,
     )
@@ -59,7 +71,10 @@ def build_state(cfg: ServeConfig) -> tuple[ServerState, list[Any]]:
     names = [cfg.served_model_name or cfg.model, cfg.model, model_path]
     state = ServerState(fleet=fleet, sessions=sessions, parser=parser, model_names=list(dict.fromkeys(names)),
                         root=model_path, default_max_tokens=cfg.default_max_tokens,
-                        sweep_interval_s=min(5.0, cfg.sessions.idle_timeout_s / 4))
+                        sweep_interval_s=min(5.0, cfg.sessions.idle_timeout_s / 4),
+                        api_key=_secret(cfg.server.api_key, API_KEY_ENV),
+                        admin_api_key=_secret(cfg.server.admin_api_key, ADMIN_API_KEY_ENV),
+                        weights_root=cfg.server.weights_root, body_timeout_s=cfg.server.body_timeout_s)
     return state, ([] if cfg.engine_in_process else engines) + renderer_actors
 
 
@@ -92,7 +107,10 @@ def _shutdown(state: ServerState, actors: list[Any]) -> None:
             except Exception:
                 pass
     for actor in actors:
-        ray.kill(actor)
+        try:
+            ray.kill(actor)
+        except Exception:  # its Ray is gone (the server exits because of it): nothing left to stop
+            pass
     for engine in state.fleet.engines:
         if not hasattr(engine.generate, "remote"):  # an in-process backend
             try:
@@ -111,20 +129,93 @@ def _announce_ready(server: Any, host: str, t0: float) -> None:
     print(f"tito serve: ready in {time.perf_counter() - t0:.1f} s on http://{host}:{port}", flush=True)
 
 
+EXIT_ENGINES_LOST = 3  # tito serve's exit status once no engine is alive (Ray lost, or every engine died)
+
+
+class EngineWatch:
+    """Probes the engine actors every ``interval_s`` from a thread and calls ``on_lost(reason)`` once every
+    one of them is dead (Ray reports its actor died: the engine, its node or the local Ray is gone).
+
+    Nothing brings engines back inside a running server (its Ray may be gone with them), so ``tito serve``
+    then exits with status :data:`EXIT_ENGINES_LOST` for a supervisor to restart it, instead of answering
+    503 forever. While at least one engine lives the server keeps serving on it (see Fleet)."""
+
+    def __init__(self, engines: list[Any], on_lost: Any, interval_s: float = 2.0, probe_timeout_s: float = 10.0):
+        self.engines = engines
+        self.on_lost = on_lost
+        self.interval_s = interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.dead: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tito-engine-watch", daemon=True)
+
+    def start(self) -> EngineWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.probe_timeout_s + self.interval_s)
+
+    def probe(self) -> None:
+        """One round: a health call to each engine not known dead; an actor death marks it dead. A slow or
+        failing probe is not a death (a busy engine is still there)."""
+        import ray
+
+        from .fleet import is_actor_death
+
+        live = [i for i in range(len(self.engines)) if i not in self.dead]
+        refs = {i: self.engines[i].health.remote() for i in live}
+        for i, ref in refs.items():
+            try:
+                ray.get(ref, timeout=self.probe_timeout_s)
+            except Exception as exc:
+                if is_actor_death(exc):
+                    self.dead.add(i)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.probe()
+            except Exception:  # Ray itself refusing calls: the next round tells whether the actors died
+                continue
+            if len(self.dead) == len(self.engines):
+                self.on_lost(f"all {len(self.engines)} engines died (their Ray actors, nodes or the local Ray "
+                             "are gone)")
+                return
+
+
 def serve(cfg: ServeConfig) -> None:
-    """``tito serve``: run until interrupted, then write open sessions (with an output dir) and stop the actors."""
+    """``tito serve``: run until interrupted, then write open sessions (with an output dir) and stop the actors.
+    Exits with status :data:`EXIT_ENGINES_LOST` once every engine actor died (see :class:`EngineWatch`)."""
+    import sys
+
     import uvicorn
 
     t0 = time.perf_counter()
     state, actors = build_state(cfg)
     server = uvicorn.Server(_uvicorn_config(create_app(state), cfg.server.host, cfg.server.port, cfg.server.log_level))
     threading.Thread(target=_announce_ready, args=(server, cfg.server.host, t0), daemon=True).start()
+    lost: list[str] = []
+
+    def engines_lost(reason: str) -> None:
+        lost.append(reason)
+        print(f"tito serve: {reason}: shutting down (exit status {EXIT_ENGINES_LOST}) so a supervisor can "
+              "restart the server", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    ray_engines = [e for e in state.fleet.engines if hasattr(e.generate, "remote")]
+    watch = EngineWatch(ray_engines, engines_lost).start() if ray_engines else None
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal it shut down on; the shutdown was clean
         pass
     finally:
+        if watch is not None:
+            watch.stop()
         _shutdown(state, actors)
+    if lost:
+        raise SystemExit(EXIT_ENGINES_LOST)
 
 
 class ServerThread:
