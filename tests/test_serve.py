@@ -445,6 +445,8 @@ def test_streamed_last_turn_ends_its_session_when_the_stream_ends(server):
 
 def test_idle_sessions_are_evicted_least_recently_used_first_over_the_memory_bound(server):
     sm = server.state.sessions
+    # the module's 2 s idle timeout would end a session by age on a loaded machine before the bound does
+    saved_timeout, sm.idle_timeout_s = sm.idle_timeout_s, 900.0
     ids = ["sess-mem-0", "sess-mem-1", "sess-mem-2"]
     for sid in ids:
         assert chat(server, [{"role": "user", "content": f"hello {sid}"}], sid, tools=None)[0] == 200
@@ -464,6 +466,9 @@ def test_idle_sessions_are_evicted_least_recently_used_first_over_the_memory_bou
         assert 0 < metric(server, "sessions_bytes") <= bound
     finally:
         sm.max_idle_bytes = saved
+        sm.idle_timeout_s = saved_timeout
+        for sid in ids:
+            request(server, "DELETE", f"/v1/sessions/{sid}")
 
 
 def test_session_byte_count_tracks_the_memory_really_held():

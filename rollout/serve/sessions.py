@@ -249,9 +249,11 @@ class SessionManager:
             if s.lock.locked():
                 continue
             total -= s.nbytes
-            await self.close(s.id, "evicted")
+            # counted before close() awaits the renderer: the session leaves the listing at once, and the
+            # count must never lag behind it
+            self.evicted += 1
             evicted.append(s.id)
-        self.evicted += len(evicted)
+            await self.close(s.id, "evicted")
         return evicted
 
     async def expire(self, now: float | None = None) -> list[str]:
@@ -260,6 +262,8 @@ class SessionManager:
         stale = [sid for sid, s in self.sessions.items()
                  if now - s.last_used > self.idle_timeout_s and not s.lock.locked()]
         for sid in stale:
+            if sid not in self.sessions:  # deleted by its client while an earlier one was being closed
+                continue
+            self.expired += 1  # counted before close() awaits, as in evict_over_budget
             await self.close(sid, "expired")
-        self.expired += len(stale)
         return stale
