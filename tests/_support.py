@@ -230,3 +230,18 @@ def serving(tmp_path_factory, namespace: str, settings: list[str], engine_option
                 ray.kill(actor)
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(where: Path, size: str = "40k"):
+    """A real file system of ``size`` mounted at ``where`` (created): writes fail with ENOSPC once it is
+    full. Skips the test, saying why, where mounting is not permitted (not root). Unmounted afterwards."""
+    where.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"a real full disk needs a {size} tmpfs, and mount is not permitted here: {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)

@@ -20,7 +20,7 @@ import yaml
 
 from rollout.shards import MANIFEST, SUMMARY, output_shards, read_table
 
-from ._support import REPO, tokenizer_dir
+from ._support import REPO, tiny_tmpfs, tokenizer_dir
 
 TASKS, G = 20, 2
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled", NO_COLOR="1")
@@ -70,13 +70,8 @@ def _no_temporaries(out) -> list:
 
 @pytest.fixture
 def tiny_disk(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"a real full disk needs a 40 KB tmpfs, and mount is not permitted here: {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=True)
+    with tiny_tmpfs(tmp_path / "tiny") as mnt:
+        yield mnt
 
 
 def test_full_disk_stops_with_one_line_and_resume_reruns_the_rest(tmp_path, tiny_disk):

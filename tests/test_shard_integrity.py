@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import subprocess
 import time
 
 import pytest
@@ -28,7 +27,7 @@ from rollout.shards import (
     read_table,
 )
 
-from ._support import tokenizer_dir
+from ._support import tiny_tmpfs, tokenizer_dir
 from .test_data import synthetic_row
 
 
@@ -154,13 +153,8 @@ def test_stale_temporaries_are_removed(tmp_path):
 @pytest.fixture
 def full_disk(tmp_path):
     """A 40 KB tmpfs: writes fail with ENOSPC once it is full."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"a real full disk needs a 40 KB tmpfs, and mount is not permitted here: {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=True)
+    with tiny_tmpfs(tmp_path / "tiny") as mnt:
+        yield mnt
 
 
 def _fill(writer: ShardWriter) -> ShardWriteError:
