@@ -1,5 +1,6 @@
 """The HTTP routes (Starlette): vLLM's token-in/token-out API, admin, sessions, metrics; the OpenAI routes
-are in openai_routes.py (streaming in streaming.py), what they share around an engine call in calls.py.
+are in openai_routes.py (streaming in streaming.py, the answers both build in responses.py), what they share
+around an engine call in calls.py.
 
 Bodies are decoded and encoded with msgspec (schemas.py). Every refusal is a JSON error in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}`` (``param`` names the offending field): 400 for bad
@@ -32,7 +33,8 @@ from .chat_session import SESSION_END, end_session, evict_over_budget
 from .fleet import DuplicateRequest, EngineUnavailable
 from .guard import Guard
 from .logprobs import generate_extras, generate_logprobs, prompt_logprobs
-from .openai_routes import chat_completions, completions, detokenize, token_decoder, tokenize
+from .openai_routes import chat_completions, completions, detokenize, tokenize
+from .responses import token_decoder
 from .schemas import (
     AbortBody,
     BadRequest,
@@ -49,12 +51,7 @@ from .state import ServerState
 
 __all__ = ["ServerState", "create_app"]
 
-_json = json_response
 VLLM_GENERATE_PREFIX = "generate-tokens-"
-
-
-def _error(status: int, message: str, kind: str, param: str | None = None) -> Response:
-    return error_response(status, message, kind, param)
 
 
 def _count_abandoned(state: ServerState, out: GenerateOutput) -> None:
@@ -114,7 +111,7 @@ async def generate(state: ServerState, request: Request) -> Response:
                             usage=calls.usage(len(body.token_ids), completion, cached),
                             metrics=calls.timing(out, call_s),
                             prompt_logprobs=prompt_logprobs(token_decoder(state), body.token_ids, out.prompt_logprobs))
-    return _json(resp)
+    return json_response(resp)
 
 
 async def abort_requests(state: ServerState, request: Request) -> Response:
@@ -126,7 +123,7 @@ async def abort_requests(state: ServerState, request: Request) -> Response:
            for rid in body.request_ids]
     aborted = await state.fleet.abort(ids)
     state.metrics.inc("aborts_total", len(aborted), cause="abort_requests")
-    return _json({"aborted": aborted})
+    return json_response({"aborted": aborted})
 
 
 async def models(state: ServerState, request: Request) -> Response:
@@ -138,14 +135,14 @@ async def models(state: ServerState, request: Request) -> Response:
     card = {"id": state.model_names[0], "object": "model", "created": state.created, "owned_by": "tito",
             "root": state.root, "parent": None, "max_model_len": state.fleet.max_model_len,
             "permission": [permission]}
-    return _json({"object": "list", "data": [card]})
+    return json_response({"object": "list", "data": [card]})
 
 
 async def health(state: ServerState, request: Request) -> Response:
     reports = await state.fleet.health()
     alive = sum(bool(r.get("ok")) for r in reports)
     status = "ok" if alive == len(reports) else ("degraded" if alive else "unavailable")
-    return _json({"status": status, "engines": reports}, 200 if alive else 503)
+    return json_response({"status": status, "engines": reports}, 200 if alive else 503)
 
 
 async def metrics(state: ServerState, request: Request) -> Response:
@@ -168,9 +165,9 @@ async def session_sample(state: ServerState, request: Request) -> Response:
     sid = check_session_id(request.path_params["session_id"], "session_id")
     s = state.sessions.get(sid)
     if s is None or not s.prompt_ids:
-        return _error(404, f"no session {sid!r} (never started, deleted or expired)", "NotFoundError")
+        return error_response(404, f"no session {sid!r} (never started, deleted or expired)", "NotFoundError")
     async with s.lock:  # a turn in progress finishes first: the sample is consistent
-        return _json(await state.sessions.sample(sid))
+        return json_response(await state.sessions.sample(sid))
 
 
 async def session_delete(state: ServerState, request: Request) -> Response:
@@ -179,9 +176,9 @@ async def session_delete(state: ServerState, request: Request) -> Response:
     sid = check_session_id(request.path_params["session_id"], "session_id")
     s = state.sessions.get(sid)
     if s is None:
-        return _error(404, f"no session {sid!r} (never started, deleted or expired)", "NotFoundError")
+        return error_response(404, f"no session {sid!r} (never started, deleted or expired)", "NotFoundError")
     rows = await end_session(state, s, "deleted", how="delete", flush=True)
-    return _json({"id": sid, "deleted": True, "rows_written": rows})
+    return json_response({"id": sid, "deleted": True, "rows_written": rows})
 
 
 async def version(state: ServerState, request: Request) -> Response:
@@ -192,7 +189,7 @@ async def version(state: ServerState, request: Request) -> Response:
         v = package_version("tito")
     except PackageNotFoundError:  # a source checkout that was never installed
         v = "unknown"
-    return _json({"version": v})
+    return json_response({"version": v})
 
 
 async def sessions_list(state: ServerState, request: Request) -> Response:
@@ -200,7 +197,7 @@ async def sessions_list(state: ServerState, request: Request) -> Response:
     now = time.monotonic()
     sm = state.sessions
     held = sorted(sm.sessions.values(), key=lambda s: s.last_used)
-    return _json({"object": "list", "count": len(held), "bytes": sum(s.nbytes for s in held),
+    return json_response({"object": "list", "count": len(held), "bytes": sum(s.nbytes for s in held),
                   "max_idle_bytes": sm.max_idle_bytes, "idle_timeout_s": sm.idle_timeout_s,
                   "sessions": [{"id": s.id, "turns": s.turn, "bridged_turns": s.bridged, "breaks": s.breaks,
                             "tokens": s.sample_tokens, "bytes": s.nbytes, "idle_s": round(now - s.last_used, 3),
@@ -242,31 +239,31 @@ def _wrap(state: ServerState, name: str, handler: Handler) -> Callable[[Request]
             response = await handler(state, request)
         except ClientGone:
             m.inc("aborts_total", cause="client_disconnect")
-            response = _error(499, "client disconnected; the request was aborted", "ClientClosedRequest")
+            response = error_response(499, "client disconnected; the request was aborted", "ClientClosedRequest")
         except BadRequest as exc:
-            response = _error(exc.status, str(exc), exc.kind, exc.param)
+            response = error_response(exc.status, str(exc), exc.kind, exc.param)
             if exc.status == 408:  # the rest of the body may still come: this connection cannot be reused
                 response.headers["Connection"] = "close"
         except DuplicateRequest as exc:
-            response = _error(409, str(exc), "ConflictError", exc.param)
+            response = error_response(409, str(exc), "ConflictError", exc.param)
         except (EngineError, ValueError) as exc:  # EngineError, MessageError, TemplateRejected are ValueErrors
             cause = root_cause(exc)
-            response = _error(400, str(cause), "BadRequestError", getattr(cause, "param", None))
+            response = error_response(400, str(cause), "BadRequestError", getattr(cause, "param", None))
         except SessionLimit as exc:
-            response = _error(429, str(exc), "RateLimitError")
+            response = error_response(429, str(exc), "RateLimitError")
         except Unsupported as exc:  # an admin call this backend cannot do: never a pretend success
-            response = _error(501, str(root_cause(exc)), "NotImplementedError")
+            response = error_response(501, str(root_cause(exc)), "NotImplementedError")
         except EngineUnavailable as exc:
-            response = _error(503, str(exc), "ServiceUnavailableError")
+            response = error_response(503, str(exc), "ServiceUnavailableError")
         except Exception as exc:  # an engine failure: this request fails, the server keeps serving
             cause = root_cause(exc)
             if isinstance(cause, ValueError):  # an engine's refusal that crossed Ray as a task error
-                response = _error(400, str(cause), "BadRequestError", getattr(cause, "param", None))
+                response = error_response(400, str(cause), "BadRequestError", getattr(cause, "param", None))
             elif isinstance(cause, Unsupported):
-                response = _error(501, str(cause), "NotImplementedError")
+                response = error_response(501, str(cause), "NotImplementedError")
             else:
                 m.inc("engine_errors_total")
-                response = _error(500, f"{type(cause).__name__}: {cause}", "InternalServerError")
+                response = error_response(500, f"{type(cause).__name__}: {cause}", "InternalServerError")
         elapsed = time.perf_counter() - t0
         m.inc("requests_total", route=name, status=str(response.status_code))
         m.observe("request_latency_seconds", elapsed, route=name)
@@ -321,15 +318,15 @@ def create_app(state: ServerState) -> Starlette:
         # unknown routes and wrong methods answer in the same JSON shape as every other error
         status = getattr(exc, "status_code", 500)
         if status == 404:
-            return _error(404, f"no route {request.url.path!r}", "NotFoundError", None)
+            return error_response(404, f"no route {request.url.path!r}", "NotFoundError", None)
         if status == 405:
-            response = _error(405, f"{request.method} is not allowed on {request.url.path!r}",
+            response = error_response(405, f"{request.method} is not allowed on {request.url.path!r}",
                               "MethodNotAllowedError", None)
             allow = getattr(exc, "headers", None) or {}
             if "Allow" in allow:
                 response.headers["Allow"] = allow["Allow"]
             return response
-        return _error(status, str(getattr(exc, "detail", exc)), "HTTPError", None)
+        return error_response(status, str(getattr(exc, "detail", exc)), "HTTPError", None)
 
     guard = Middleware(Guard, api_key=state.api_key, admin_api_key=state.admin_api_key,
                        body_timeout_s=state.body_timeout_s)

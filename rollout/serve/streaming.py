@@ -22,7 +22,7 @@ from starlette.requests import Request
 from ..engines.streaming import StreamDelta
 from . import calls
 from .logprobs import chat_logprobs, completion_logprobs
-from .openai_routes import Call, chat_choice, chat_finish, token_decoder
+from .responses import Call, chat_choice, chat_finish, token_decoder
 from .schemas import ChatBody, CompletionsBody
 from .sse import DONE, SSEResponse, event
 from .state import ServerState
