@@ -120,6 +120,8 @@ def servers(tmp_path_factory):
         str(Path(sys.executable).with_name("tito")), "serve", "configs/serve.yaml", "--port", str(tport),
         "--set", f"served_model_name={NAME}",
         "--set", f"engine={{backend: vllm, count: 1, options: {{max_model_len: {MAX_MODEL_LEN}, enforce_eager: true}}}}",
+        # the tests' checkpoints are written under their tmp_path: /update_weights loads only below the root
+        "--set", f"server.weights_root={tmp_path_factory.getbasetemp()}",
     ], tport, logs / "tito.log", env)
     try:
         vllm.wait_ready()
