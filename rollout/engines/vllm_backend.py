@@ -46,6 +46,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -132,26 +133,25 @@ _FINISH: dict[str, FinishReason] = {
 }
 
 
-def checkpoint_problem(path: str) -> str | None:
+def checkpoint_problem(path: str | Path) -> str | None:
     """Why ``path`` is not a checkpoint vLLM can reload in place, or None: it must be a directory holding
-    safetensors files whose headers read (only the headers are read: milliseconds for any size)."""
-    from pathlib import Path
-
+    safetensors files whose headers read (only the headers are read: milliseconds for any size). The reason
+    does not name ``path`` (callers do: ``tito serve`` says only what the client sent)."""
     d = Path(path)
     if not d.is_dir():
-        return f"{path!r} is not a directory"
+        return "not a directory"
     files = sorted(d.glob("*.safetensors"))
     if not files:
-        return f"{path!r} holds no *.safetensors files"
-    try:
-        from safetensors import safe_open
+        return "holds no *.safetensors files"
+    from safetensors import safe_open
 
-        for f in files:
+    for f in files:
+        try:
             with safe_open(str(f), framework="pt") as handle:
                 if not list(handle.keys()):
-                    return f"{f.name} in {path!r} holds no tensors"
-    except Exception as exc:  # noqa: BLE001 - any unreadable header is a bad checkpoint
-        return f"{path!r}: cannot read its safetensors headers ({type(exc).__name__}: {exc})"
+                    return f"{f.name} holds no tensors"
+        except Exception as exc:  # noqa: BLE001 - any unreadable header is a bad checkpoint
+            return f"cannot read the safetensors header of {f.name} ({type(exc).__name__}: {exc})"
     return None
 
 
@@ -388,7 +388,7 @@ class VLLMEngine:
         cannot read (measured: a missing path ends it with EngineDeadError), so a bad path must never reach it."""
         problem = checkpoint_problem(path)
         if problem:
-            raise EngineError(f"update_weights: {problem}; the weights were not changed", "weight_dir")
+            raise EngineError(f"update_weights: {path!r}: {problem}; the weights were not changed", "weight_dir")
         async with self._update_lock:
             self._open.clear()
             try:

@@ -20,6 +20,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..engines.vllm_backend import checkpoint_problem as safetensors_checkpoint_problem
 from . import calls
 from .calls import json_response
 from .schemas import BadRequest, Conflict, decode
@@ -173,27 +174,14 @@ def _weight_dir(state: ServerState, weight_dir: str) -> Path | Response:
 
 
 def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` (under the weights root) is not a checkpoint to load, or None: a directory of safetensors
-    files whose headers read, and no pickle weight files (transformers falls back to those, and unpickling
-    runs code). Only headers are read: milliseconds for any size."""
-    if not path.is_dir():
-        return "not a directory"
-    pickles = sorted(f.name for f in path.glob(PICKLE_WEIGHTS))
-    if pickles:
-        return f"holds pickle weight files ({', '.join(pickles[:3])}): only safetensors checkpoints are loaded"
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        return "holds no *.safetensors files"
-    from safetensors import safe_open
-
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                if not list(handle.keys()):
-                    return f"{f.name} holds no tensors"
-        except Exception as exc:  # noqa: BLE001 - any unreadable header is a bad checkpoint
-            return f"cannot read the safetensors header of {f.name} ({type(exc).__name__})"
-    return None
+    """Why ``path`` (under the weights root) is not a checkpoint to load, or None: no pickle weight files
+    (transformers falls back to those, and unpickling runs code), then the backend's own check (a directory
+    of safetensors files whose headers read)."""
+    if path.is_dir():
+        pickles = sorted(f.name for f in path.glob(PICKLE_WEIGHTS))
+        if pickles:
+            return f"holds pickle weight files ({', '.join(pickles[:3])}): only safetensors checkpoints are loaded"
+    return safetensors_checkpoint_problem(path)
 
 
 async def init_broadcaster(state: ServerState, request: Request) -> Response:
