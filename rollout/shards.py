@@ -75,7 +75,7 @@ def schema() -> pa.Schema:
 
 SCHEMA = schema()
 
-CHECKSUM = "sha256"  # the manifest key of each file's checksum: hashlib's, ~1.6 GB/s with SHA-NI
+CHECKSUM = "sha256"  # the manifest key of each file's checksum: hashlib's (cost: scripts/bench_checksum.py)
 
 
 class ShardWriteError(OSError, ValueError):
