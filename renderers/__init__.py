@@ -12,10 +12,6 @@ if __name__ == "renderers":  # this source directory found under its old top-lev
 
     hand_over()
 else:
-    from ._coexist import check_at_import
-
-    check_at_import()  # an old tito and PyPI renderers merged into one folder: refuse, naming the fix
-
     from .base import EFFORT_LEVELS, Renderer, TemplateRejected, nearest_effort, parse_json_call
     from .messages import MessageError, normalize_messages
     from .registry import RENDERERS, UnknownTemplateError, create_renderer, select_renderer

@@ -8,10 +8,11 @@ import argparse
 import importlib
 import importlib.util
 import os
-import sys
 import warnings
 from importlib import metadata
 from pathlib import Path
+
+from . import coexist
 
 OK, CONFLICT = 0, 1
 
@@ -47,18 +48,6 @@ def _pypi_renderers(tito_dir: Path | None) -> tuple[str, list[str]]:
     return f"{getattr(renderers, '__version__', version)} importable from {where}", []
 
 
-def _coexist():
-    """tito_renderers._coexist, loaded on its own: the package's __init__ refuses to import on a conflict."""
-    spec = importlib.util.find_spec("tito_renderers")  # locates the package without running its __init__
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("tito doctor: tito_renderers is not installed (pip install tito)")
-    path = Path(next(iter(spec.submodule_search_locations))) / "_coexist.py"
-    module_spec = importlib.util.spec_from_file_location("_tito_doctor_coexist", path)
-    module = sys.modules[module_spec.name] = importlib.util.module_from_spec(module_spec)  # dataclasses look it up
-    module_spec.loader.exec_module(module)
-    return module
-
-
 def _fixtures() -> str:
     """The test fixtures directory as tests/_support.py finds it: $TITO_FIXTURES, else beside a checkout."""
     env = os.environ.get("TITO_FIXTURES")
@@ -73,7 +62,7 @@ def _fixtures() -> str:
 def _default_model() -> str:
     try:
         from .models import ModelNotFound, resolve_model
-    except ImportError as exc:  # tito_renderers refused to import: reported above
+    except ImportError as exc:  # tito_renderers does not import: reported above
         return f"not checked ({type(exc).__name__})"
     try:
         return str(resolve_model("smollm2-135m"))
@@ -89,10 +78,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
         tito_dir = Path(tito_renderers.__file__).parent
         where = str(tito_dir)
-    except ImportError as exc:  # the import-time check refused: its message carries the fix
+    except ImportError as exc:  # a broken install: the message names what is missing
         where = "NOT importable"
         problems.append(str(exc).removeprefix("tito_renderers: "))
-    problems += [str(p) for p in _coexist().problems(hashes=True) if str(p) not in problems]
+    problems += [str(p) for p in coexist.problems(hashes=True) if str(p) not in problems]
     pypi, import_problems = _pypi_renderers(tito_dir)
     problems += [] if problems else import_problems  # a damaged install is already reported, with its fix
     rows = [

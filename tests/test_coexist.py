@@ -218,16 +218,19 @@ def test_a_merged_install_is_refused_then_repaired(env, tmp_path):
     shared = owned(merged.site, "tito", "renderers") & owned(merged.site, "renderers", "renderers")
     assert "renderers/__init__.py" in shared
 
-    # a new tito that sees that folder (a venv on top of it): the import refuses, naming both and the fix
+    # a new tito that sees that folder (a venv on top of it) imports from its own folder, silently (the import
+    # scans no RECORD files); `tito doctor` names both distributions, the folder and the fix
     above = Venv(tmp_path / "above", [merged.site, *env["inherit"]])
     above.pip("install", str(env["tito"]))
-    done = subprocess.run([str(above.python), "-I", "-c", "import tito_renderers"], capture_output=True, text=True,
-                          cwd=tmp_path, env=_python_env())
-    assert done.returncode != 0 and "ImportError: tito_renderers: tito 0.0.1" in done.stderr, done.stderr[-2000:]
-    assert f"PyPI renderers {RENDERERS_PYPI} share the folder {merged.site / 'renderers'}" in done.stderr
-    assert f"Fix: pip uninstall -y tito renderers && pip install tito renderers=={RENDERERS_PYPI}" in done.stderr
+    probe = "import tito_renderers; print(tito_renderers.__file__)"
+    done = subprocess.run([str(above.python), "-I", "-W", "error::RuntimeWarning", "-c", probe], capture_output=True,
+                          text=True, cwd=tmp_path, env=_python_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Path(done.stdout.strip()) == above.site / "tito_renderers" / "__init__.py"
     doctor = above.doctor(tmp_path)
     assert doctor.returncode == 1 and "CONFLICT: tito 0.0.1" in doctor.stdout, doctor.stdout + doctor.stderr
+    assert f"PyPI renderers {RENDERERS_PYPI} share the folder {merged.site / 'renderers'}" in doctor.stdout
+    assert f"Fix: pip uninstall -y tito renderers && pip install tito renderers=={RENDERERS_PYPI}" in doctor.stdout
 
     # upgrading tito in the merged venv: pip removes the old tito's files, the shared ones included
     merged.pip("install", str(env["tito"]))
@@ -238,7 +241,6 @@ def test_a_merged_install_is_refused_then_repaired(env, tmp_path):
     assert "renderers/__init__.py" in conflict and f"PyPI renderers {RENDERERS_PYPI} at" in conflict
     fix = conflict.split(" Fix: ")[1]
     assert fix == f"pip install --force-reinstall --no-deps renderers=={RENDERERS_PYPI}"
-    assert "RuntimeWarning: tito_renderers: PyPI renderers" in doctor.stderr  # importing tito only warns
 
     # the printed fix (from the cached wheel instead of the index) repairs it
     merged.pip(*fix.split()[1:], "--find-links", str(env["wheels"]))
@@ -262,27 +264,29 @@ def test_an_uninstalled_source_tree_maps_tito_renderers(env, tmp_path):
     assert done.stdout.split() == [str(tree / "renderers" / "__init__.py"), "tito_renderers.registry"]
 
 
-def test_the_checkout_name_renderers_is_an_alias_without_pypi_renderers(tmp_path):
-    """Inside this checkout `import renderers` reaches the source directory: without PyPI renderers it is
-    tito_renderers itself (the same module objects: one Break class, not two) and warns."""
-    code = ("import json, warnings, sys\n"
-            "with warnings.catch_warnings(record=True) as w:\n"
-            "    warnings.simplefilter('always')\n"
-            "    import renderers, tito_renderers\n"
-            "    from renderers.types import Break\n"
-            "    import tito_renderers.types\n"
-            "print(json.dumps([renderers is tito_renderers, Break is tito_renderers.types.Break,\n"
-            "      sys.modules['renderers.types'] is tito_renderers.types, 'renderers._toplevel' in sys.modules,\n"
-            "      [str(x.message) for x in w if x.category is FutureWarning]]))")
+def test_the_checkout_name_renderers_without_pypi_renderers_is_refused(tmp_path):
+    """Inside this checkout `import renderers` reaches the source directory: without PyPI renderers it raises an
+    ImportError naming `tito_renderers` (no second copy of tito's classes under another name), and leaves
+    nothing behind in sys.modules, so `tito_renderers` still imports."""
+    code = ("import json, sys\n"
+            "try:\n"
+            "    import renderers\n"
+            "    error = None\n"
+            "except ImportError as exc:\n"
+            "    error = str(exc)\n"
+            "left = sorted(m for m in sys.modules if m == 'renderers' or m.startswith('renderers.'))\n"
+            "import tito_renderers\n"
+            "print(json.dumps([error, left, tito_renderers.Break.__module__]))")
     from importlib import metadata
 
     if list(metadata.distributions(name="renderers")):
         pytest.skip("PyPI renderers is installed here: `import renderers` means it (test_editable_checkout_...)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=_python_env())
     assert done.returncode == 0, done.stderr[-2000:]
-    same, same_class, same_submodule, helper_left, warned = json.loads(done.stdout)
-    assert same and same_class and same_submodule and not helper_left, done.stdout
-    assert len(warned) == 1 and warned[0].startswith(f"`renderers` found tito's source directory {REPO / 'renderers'}")
+    error, left, break_module = json.loads(done.stdout)
+    assert error and error.startswith(f"`import renderers` found tito's source directory {REPO / 'renderers'}"), error
+    assert "imported as `tito_renderers`" in error
+    assert left == [] and break_module == "tito_renderers.types"
 
 
 def test_no_module_of_this_repository_imports_the_old_name():

@@ -1,31 +1,27 @@
-"""Living next to the PyPI distribution ``renderers`` (prime-intellect's library; verifiers depends on it).
+"""What ``tito doctor`` checks: tito next to the PyPI distribution ``renderers`` (verifiers depends on it).
 
-tito's renderer package is installed under the import name ``tito_renderers`` (its source directory is
-``renderers/``; pyproject.toml maps it), so ``pip install tito renderers`` gives two packages in two folders. Releases
-before the rename installed a top-level ``renderers`` package: pip then wrote both distributions into one
-``site-packages/renderers/`` folder, the last install overwrote the files both ship (``__init__.py``,
-``base.py``, ``deepseek_v3.py``) and uninstalling either deleted them, so both libraries broke without a word
-from pip. This module finds what such an install left behind, from the distributions' RECORD files:
+tito's renderer package is installed as ``tito_renderers`` (from the ``renderers/`` source directory), so
+``pip install tito renderers`` gives two packages in two folders. Releases before the rename installed a
+top-level ``renderers`` package into PyPI renderers' folder. :func:`problems` reads the distributions'
+RECORD files and names what such an install left behind:
 
-- ``shared-folder``: a tito distribution and PyPI ``renderers`` both own files in one ``renderers/`` folder
-  (an old tito still installed). Importing ``tito_renderers`` refuses with an ImportError naming the fix.
-- ``damaged``: files PyPI ``renderers`` installed are missing or were overwritten (what upgrading or
-  uninstalling an old tito leaves). tito itself works, so the import only warns; ``tito doctor`` fails.
+- ``shared-folder``: a tito distribution and PyPI ``renderers`` own files in one ``renderers/`` folder
+  (an old tito is still installed).
+- ``damaged``: files PyPI ``renderers`` installed are missing or changed (what upgrading or uninstalling
+  an old tito leaves).
 
-The import-time check only lists directories and stats files (a few ms); ``tito doctor`` also compares hashes.
+Only ``tito doctor`` runs this: importing ``tito_renderers`` scans nothing (it never shares a folder).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 PYPI_NAME = "renderers"  # the PyPI distribution and the import name it owns
-IMPORT_NAME = "tito_renderers"  # tito's renderer package
 
 
 @dataclass(frozen=True)
@@ -96,13 +92,3 @@ def problems(hashes: bool = False) -> list[Problem]:
                 "release that installed into the same folder leaves behind)",
                 f"pip install --force-reinstall --no-deps renderers=={version}"))
     return found
-
-
-def check_at_import() -> None:
-    """Refuse to import on a shared folder; warn about a damaged PyPI ``renderers`` (tito itself still works)."""
-    found = problems()
-    shared = [p for p in found if p.kind == "shared-folder"]
-    if shared:
-        raise ImportError(f"{IMPORT_NAME}: {shared[0]}")
-    for p in found:
-        warnings.warn(f"{IMPORT_NAME}: {p}", RuntimeWarning, stacklevel=3)
