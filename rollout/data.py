@@ -170,12 +170,3 @@ def iter_samples(data: ds.Dataset | str | Path | Sequence[str | Path], *, filter
 def load_samples(source: ds.Dataset | str | Path | Sequence[str | Path], **filters: Any) -> list[Sample]:
     """All samples of a source that pass :func:`sample_filter` ``(**filters)``, as a list (small sets)."""
     return list(iter_samples(source, filter=sample_filter(**filters)))
-
-
-def export(source: ds.Dataset | str | Path | Sequence[str | Path], target: str, out: str | Path | None = None,
-           **options: Any):
-    """The samples of ``source`` written in a trainer's field names and layout (``target``: trl, verl,
-    skyrl or prime) as Parquet files in ``out``: :func:`rollout.export.export` (also ``tito export``)."""
-    from .export import export as _export  # rollout.export reads shards through this module
-
-    return _export(source, target, out, **options)

@@ -117,10 +117,8 @@ def test_cli_writes_each_target_beside_the_source(run_dir, capsys):
 
 
 def test_trl_columns(run_dir, tmp_path):
-    from rollout import data
-
     out, rows = run_dir
-    result = data.export(out, "trl", tmp_path / "trl")  # the trainer-side reader's entry point
+    result = export(out, "trl", tmp_path / "trl")
     got = pq.read_table(result.out).to_pylist()
     assert result.rows == 5 and result.skipped == 1
     for src, row in zip(_trainable(rows), got):
