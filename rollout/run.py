@@ -172,7 +172,7 @@ def _check_engine_options(backend: str, options: dict[str, Any]) -> None:
     engine starts (an actor would otherwise fail with a TypeError deep in its start-up)."""
     import inspect
 
-    from actors.engine import backend_class
+    from .engines.factory import backend_class
 
     params = inspect.signature(backend_class(backend)).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -289,7 +289,7 @@ CLUSTER_CPU_WAIT_S = 60.0
 
 
 def _default_engine_cpus(cfg: RunConfig) -> float:
-    from actors.engine import DEFAULT_RESOURCES
+    from .engines.factory import DEFAULT_RESOURCES
 
     return DEFAULT_RESOURCES[cfg.engine.backend]["num_cpus"]
 

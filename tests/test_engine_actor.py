@@ -12,7 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import ray  # noqa: E402
 
-from actors.engine import EngineActor, EngineActorImpl, EngineSpec, start_engine_actors  # noqa: E402
+from actors.engine import EngineActor, EngineActorImpl, start_engine_actors  # noqa: E402
+from rollout.engines.factory import EngineSpec  # noqa: E402
 from rollout.engines.protocol import EngineError, GenerateRequest, SamplingParams  # noqa: E402
 
 REPLAY = {"synthetic": True, "vocab_size": 1000, "max_model_len": 4096, "token_delay_s": 0.005}

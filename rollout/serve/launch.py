@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ServeConfig
+from ..engines.factory import build_backend
 from ..engines.protocol import close_backend
 from .app import ServerState, create_app
 from .fleet import Fleet
@@ -35,7 +36,7 @@ def build_state(cfg: ServeConfig) -> tuple[ServerState, list[Any]]:
     """Start the actors a serve config describes; returns the state and the actors (to kill on exit)."""
     import ray
 
-    from actors.engine import build_backend, start_engine_actors
+    from actors.engine import start_engine_actors
     from actors.renderer import start_renderer_actors
     from tito_renderers import create_renderer, load_tokenizer
 
