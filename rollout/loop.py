@@ -32,6 +32,7 @@ from .engines.protocol import EngineInfo, GenerateRequest, SamplingParams
 from .envs.base import Environment, Task
 from .handles import call
 from .routing import StickyLeastLoaded
+from .turns import Finished, RolloutMeta, SampledTurn, Sampling
 
 MAX_ATTEMPTS = 3
 
@@ -52,7 +53,7 @@ class RolloutOutcome(msgspec.Struct):
     completion_tokens: int = 0
     error: str | None = None
     advantage: float = 0.0
-    last_turn: tuple | None = None  # the final completion, recorded by the renderer with the samples
+    last_turn: SampledTurn | None = None  # the final completion, recorded by the renderer with the samples
 
 
 def _is_actor_death(exc: BaseException) -> bool:
@@ -102,13 +103,15 @@ class RolloutDriver:
         )
         self._advantages(outcomes)
         s = self.cfg.sampling
-        sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed}
-        items = []
-        for o in outcomes:
-            meta = {"task_id": o.task_id, "group_id": o.group_id, "reward": o.reward, "reward_components": o.components,
-                    "advantage": o.advantage, "finish_reason": o.finish_reason, "messages": o.messages, "error": o.error,
-                    "sampling": sampling}
-            items.append((o.rollout_id, meta, o.last_turn))
+        sampling = Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+        items = [
+            Finished(o.rollout_id, RolloutMeta(
+                task_id=o.task_id, group_id=o.group_id, finish_reason=o.finish_reason, messages=o.messages,
+                reward=o.reward, reward_components=o.components, advantage=o.advantage, error=o.error,
+                sampling=sampling,
+            ), o.last_turn)
+            for o in outcomes
+        ]
         # one call, one unit for the shard writer: a group's rows always land in the same file, so a
         # resumed run finds every group either whole or absent
         await call(renderer, "finish_group", items)
@@ -183,7 +186,7 @@ class RolloutDriver:
         state = self.env.reset(task)
         tools = self.env.tools
         messages = [dict(m) for m in task.messages]
-        prompt = await call(renderer, "begin", rollout_id, messages, tools)
+        prompt = (await call(renderer, "begin", rollout_id, messages, tools)).ids
         budget = cfg.max_tokens_per_rollout
         finish = "max_turns"
         last_turn = None
@@ -211,7 +214,7 @@ class RolloutDriver:
             parsed = self.parser.parse_response(result.completion_ids, prompt, tools)
             assistant = parsed.to_message(arguments=self.parser.history_arguments)
             messages.append(assistant)
-            last_turn = (turn, result.completion_ids, result.logprobs, result.weight_version, assistant)
+            last_turn = SampledTurn(turn, result.completion_ids, result.logprobs, result.weight_version, assistant)
             if result.finish_reason == "length":
                 finish = "length"
                 break
@@ -224,9 +227,9 @@ class RolloutDriver:
                 break
             messages.extend(step.new_messages)
             if turn + 1 < cfg.max_turns:
-                kind, ids = await call(renderer, "extend", rollout_id, last_turn, step.new_messages)
-                self.breaks += kind == "reset"
-                prompt = [*prompt, *result.completion_ids, *ids] if kind == "append" else ids
+                nxt = await call(renderer, "extend", rollout_id, last_turn, step.new_messages)
+                self.breaks += nxt.brk is not None
+                prompt = nxt.after(prompt, result.completion_ids)
                 last_turn = None
         score = self.env.score(state, messages)
         return RolloutOutcome(

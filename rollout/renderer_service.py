@@ -21,12 +21,8 @@ import tito_renderers as renderers
 from tito_renderers import Break
 
 from .samples import SampleBuilder, Segment
-from .shards import BREAKS, DATA_DIR, SAMPLING_COLUMNS, STREAM, ShardWriteError, ShardWriter
-
-# One turn's result as the driver reports it: (turn, completion ids, logprobs, weight version,
-# the parsed assistant message). The driver parses (the same renderer code on the same tokenizer), so
-# a turn costs one call to this service instead of two.
-Turn = tuple[int, list[int], "list[float] | None", int, dict]
+from .shards import BREAKS, DATA_DIR, STREAM, ShardWriteError, ShardWriter
+from .turns import Finished, NextPrompt, RolloutMeta, SampledTurn, SegmentBreak
 
 
 class _Before(Sequence):
@@ -56,7 +52,7 @@ class _Rollout:
         self.builder = SampleBuilder()
         self.tools = tools
         self.messages = list(messages or [])  # the conversation so far, for a full render after a Break
-        self.breaks: list[dict] = []
+        self.breaks: list[SegmentBreak] = []
         self.weight_versions: list[list[int]] = []  # per segment
         self.last_completion_len = 0
 
@@ -98,38 +94,38 @@ class RendererService:
 
     # ---- per rollout -----------------------------------------------------------------------------
 
-    def begin(self, rollout_id: str, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        """The first prompt (raises ValueError naming the problem for a task that cannot be rendered)."""
+    def begin(self, rollout_id: str, messages: list[dict], tools: list[dict] | None) -> NextPrompt:
+        """The first prompt, a ``render`` (raises ValueError naming the problem for a task that cannot be
+        rendered)."""
         ro = _Rollout(tools, messages)
         ro.builder.start_segment(self.renderer.render(messages, tools, add_generation_prompt=True), turn=0)
         ro.weight_versions.append([])
         self.rollouts[rollout_id] = ro
-        return list(ro.builder.prompt_ids())
+        return NextPrompt("render", list(ro.builder.prompt_ids()))
 
-    def _record(self, ro: _Rollout, turn: int, completion_ids: list[int], logprobs: list[float] | None,
-                weight_version: int, assistant_message: dict) -> None:
-        ro.builder.add_completion(completion_ids, logprobs, len(ro.messages), turn)
-        ro.messages.append(assistant_message)
-        ro.last_completion_len = len(completion_ids)
-        ro.weight_versions[-1].append(weight_version)
+    @staticmethod
+    def _record(ro: _Rollout, turn: SampledTurn) -> None:
+        ro.builder.add_completion(turn.completion_ids, turn.logprobs, len(ro.messages), turn.index)
+        ro.messages.append(turn.assistant)
+        ro.last_completion_len = len(turn.completion_ids)
+        ro.weight_versions[-1].append(turn.weight_version)
 
-    def extend(self, rollout_id: str, turn: Turn, new_messages: list[dict]) -> tuple[str, list[int]]:
+    def extend(self, rollout_id: str, turn: SampledTurn, new_messages: list[dict]) -> NextPrompt:
         """Record a turn's completion (trainable tokens, its parsed assistant message) and return the
-        next prompt after ``new_messages``: ``("append", ids)`` — the ids to append to the previous
-        prompt + completion (the bridge) — or, on a Break, ``("reset", ids)`` — a full render of the
-        conversation so far, which starts a new segment. Only new tokens cross the wire."""
+        next prompt after ``new_messages``: an ``append`` (the ids that follow the previous prompt +
+        completion: the bridge) or, on a Break, a ``render`` of the conversation so far, which starts a
+        new segment. Only new tokens cross the wire."""
         self.record_turn(rollout_id, turn)
-        kind, ids, _ = self.bridge_next(rollout_id, new_messages, turn[0] + 1)
-        return kind, ids
+        return self.bridge_next(rollout_id, new_messages, turn.index + 1)
 
-    def record_turn(self, rollout_id: str, turn: Turn) -> None:
+    def record_turn(self, rollout_id: str, turn: SampledTurn) -> None:
         """Record a turn's completion now (``extend`` does it together with the bridge; the session API
         records right after sampling so a session's samples are complete between calls)."""
-        self._record(self.rollouts[rollout_id], *turn)
+        self._record(self.rollouts[rollout_id], turn)
 
-    def bridge_next(self, rollout_id: str, new_messages: list[dict], next_turn: int) -> tuple[str, list[int], dict | None]:
-        """The next prompt after the recorded completion and ``new_messages``, as ``extend`` returns it,
-        plus the break (reason, detail, position) when the turn could not be bridged."""
+    def bridge_next(self, rollout_id: str, new_messages: list[dict], next_turn: int) -> NextPrompt:
+        """The next prompt after the recorded completion and ``new_messages``, as ``extend`` returns it
+        (with its break when the turn could not be bridged)."""
         ro = self.rollouts[rollout_id]
         ids = ro.builder.current.token_ids
         cut = len(ids) - ro.last_completion_len
@@ -139,32 +135,31 @@ class RendererService:
         offset = len(ro.messages)
         ro.messages.extend(new_messages)
         if isinstance(result, Break):
-            brk = {"turn": next_turn, "reason": str(result.reason), "detail": result.detail,
-                   "position": result.position}
+            brk = SegmentBreak(next_turn, str(result.reason), result.detail, result.position)
             self._log_break(rollout_id, brk)
             ro.breaks.append(brk)
             ro.builder.start_segment(self.renderer.render(ro.messages, ro.tools, add_generation_prompt=True), turn=next_turn)
             ro.weight_versions.append([])
-            return "reset", list(ro.builder.prompt_ids()), brk
+            return NextPrompt("render", list(ro.builder.prompt_ids()), brk)
         ro.builder.add_bridge(result, offset, next_turn)
         with self._lock:
             self.turns_bridged += 1
-        return "append", result.appended.token_ids, None
+        return NextPrompt("append", result.appended.token_ids)
 
     def restart(self, rollout_id: str, messages: list[dict], tools: list[dict] | None, turn: int, reason: str,
-                detail: str) -> list[int]:
+                detail: str) -> NextPrompt:
         """Start a new segment from a full render of ``messages`` and log a break with ``reason``: for a
         conversation that no longer extends the recorded one (a client edited its history, changed its
         tools, or retried after a failed turn). Nothing is bridged, so no sampled token is rewritten."""
         ro = self.rollouts[rollout_id]
         rendered = self.renderer.render(messages, tools, add_generation_prompt=True)  # may raise: nothing changed
-        brk = {"turn": turn, "reason": str(reason), "detail": detail, "position": None}  # a session-level reason
+        brk = SegmentBreak(turn, str(reason), detail)  # a session-level reason: no token position
         self._log_break(rollout_id, brk)
         ro.breaks.append(brk)
         ro.messages, ro.tools = list(messages), tools
         ro.builder.start_segment(rendered, turn=turn)
         ro.weight_versions.append([])
-        return list(ro.builder.prompt_ids())
+        return NextPrompt("render", list(ro.builder.prompt_ids()), brk)
 
     def sample(self, rollout_id: str) -> dict[str, Any]:
         """A running rollout's training samples so far (one per segment), its breaks and messages;
@@ -176,15 +171,13 @@ class RendererService:
                              "message_index": seg.message_index, "turn_index": seg.turn_index,
                              "prompt_tokens": seg.prompt_tokens, "completion_tokens": seg.completion_tokens,
                              "weight_versions": versions})
-        return {"segments": segments, "breaks": list(ro.breaks), "messages": list(ro.messages),
+        return {"segments": segments, "breaks": [b.to_dict() for b in ro.breaks], "messages": list(ro.messages),
                 "tools": ro.tools, "renderer": self.renderer.name,
                 "template_sha256": self.renderer.template_sha256 or "", "model": self.model_name}
 
-    def finish(self, rollout_id: str, meta: dict[str, Any], last_turn: Turn | None = None) -> int:
+    def finish(self, rollout_id: str, meta: RolloutMeta, last_turn: SampledTurn | None = None) -> int:
         """Record the last turn's completion (if it was not bridged) and queue the rollout's samples
-        (one row per segment) with the caller's metadata (task/group ids, reward, components,
-        advantage, finish reason, messages, error, and ``sampling``: temperature/top_p/top_k/seed) for
-        the shard writer, as one unit. Returns the number of rows. ``tito serve`` calls :meth:`flush`
+        (one row per segment) with the caller's metadata for the shard writer, as one unit. Returns the number of rows. ``tito serve`` calls :meth:`flush`
         after it to put a closed session on disk at once. Once a write has failed, raises
         :class:`~rollout.shards.ShardWriteError` (the caller stops: nothing more can reach disk)."""
         rows = self._rows(rollout_id, meta, last_turn)
@@ -192,10 +185,10 @@ class RendererService:
             self.writer.add(rows)
         return len(rows)
 
-    def finish_group(self, items: list[tuple[str, dict[str, Any], Turn | None]]) -> int:
-        """``finish`` for every rollout of a group, ``(rollout_id, meta, last_turn)`` each, queued as
-        one unit: a group's rows always land in the same file. Returns the number of rows."""
-        rows = [row for rid, meta, last_turn in items for row in self._rows(rid, meta, last_turn)]
+    def finish_group(self, items: list[Finished]) -> int:
+        """``finish`` for every rollout of a group, queued as one unit: a group's rows always land in the
+        same file. Returns the number of rows."""
+        rows = [row for f in items for row in self._rows(f.rollout_id, f.meta, f.last_turn)]
         if self.writer is not None:
             self.writer.add(rows)
         return len(rows)
@@ -205,36 +198,35 @@ class RendererService:
         file entries ({file, rows, tokens}); [] when nothing is pending or there is no output dir."""
         return self.writer.flush() if self.writer is not None else []
 
-    def _rows(self, rollout_id: str, meta: dict[str, Any], last_turn: Turn | None) -> list[dict[str, Any]]:
+    def _rows(self, rollout_id: str, meta: RolloutMeta, last_turn: SampledTurn | None) -> list[dict[str, Any]]:
         ro = self.rollouts.pop(rollout_id, None)
         if ro is not None and last_turn is not None:
-            self._record(ro, *last_turn)
+            self._record(ro, last_turn)
         if ro is None:  # failed before its first render: one empty row keeps the rollout accounted for
             ro = _Rollout(None)
             ro.builder.segments.append(Segment())
             ro.weight_versions.append([])
-        sampling = meta.get("sampling") or {}
-        sampling_cols = {k: sampling.get(k) for k in SAMPLING_COLUMNS}
         segments = [s for s in ro.builder.segments if s.completion_tokens > 0] or ro.builder.segments[-1:]
+        s = meta.sampling
+        # what every row of the rollout repeats, serialized once (the messages are most of a row's text)
+        shared = {
+            "messages": json.dumps(meta.messages, ensure_ascii=False), "reward": float(meta.reward),
+            "reward_components": json.dumps(meta.reward_components), "advantage": float(meta.advantage),
+            "task_id": meta.task_id, "group_id": meta.group_id, "rollout_id": rollout_id,
+            "finish_reason": meta.finish_reason, "breaks": json.dumps([b.to_dict() for b in ro.breaks]),
+            "model": self.model_name, "renderer": self.renderer.name,
+            "template_sha256": self.renderer.template_sha256 or "", "error": meta.error,
+            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
+        }
         rows = []
         for i, seg in enumerate(segments):
             versions = ro.weight_versions[ro.builder.segments.index(seg)]
             rows.append({
                 "token_ids": seg.token_ids, "loss_mask": seg.loss_mask, "logprobs": seg.logprobs,
                 "message_index": seg.message_index, "turn_index": seg.turn_index,
-                "messages": json.dumps(meta.get("messages", []), ensure_ascii=False),
-                "reward": float(meta.get("reward", 0.0)),
-                "reward_components": json.dumps(meta.get("reward_components", {})),
-                "advantage": float(meta.get("advantage", 0.0)),
-                "task_id": meta["task_id"], "group_id": meta["group_id"], "rollout_id": rollout_id,
                 "segment_index": i, "segment_count": len(segments),
-                "finish_reason": meta.get("finish_reason", ""),
-                "breaks": json.dumps(ro.breaks),
                 "weight_version": min(versions) if versions else 0,
-                "model": self.model_name, "renderer": self.renderer.name,
-                "template_sha256": self.renderer.template_sha256 or "",
-                "prompt_tokens": seg.prompt_tokens, "completion_tokens": seg.completion_tokens,
-                "error": meta.get("error"), **sampling_cols,
+                "prompt_tokens": seg.prompt_tokens, "completion_tokens": seg.completion_tokens, **shared,
             })
         return rows
 
@@ -254,13 +246,13 @@ class RendererService:
         return {"files": files, "write_error": write_error, "break_counts": dict(self.break_counts),
                 "turns_bridged": self.turns_bridged, "cpu_s": time.process_time() - self._cpu_start}
 
-    def _log_break(self, rollout_id: str, brk: dict[str, Any]) -> None:
-        """Count a break by reason and append it to breaks.jsonl: ``brk`` holds turn, reason, detail, position."""
+    def _log_break(self, rollout_id: str, brk: SegmentBreak) -> None:
+        """Count a break by reason and append it to breaks.jsonl."""
         with self._lock:
-            self.break_counts[brk["reason"]] += 1
+            self.break_counts[brk.reason] += 1
         if self._breaks_path is None:
             return
-        line = json.dumps({"rollout_id": rollout_id, **brk}, ensure_ascii=False) + "\n"
+        line = json.dumps({"rollout_id": rollout_id, **brk.to_dict()}, ensure_ascii=False) + "\n"
         # O_APPEND: whole-line appends from several renderer actors do not interleave
         fd = os.open(self._breaks_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import tito_renderers as renderers
+from rollout.turns import SampledTurn
 from tito_renderers import Break, BreakReason, Bridged
 
 from .family_checks import Family, bridge_cases, sampled_completion
@@ -251,7 +252,7 @@ def test_the_renderer_service_bridges_with_the_history_it_holds() -> None:
     svc = RendererService(str(tokenizer_dir(family.tokenizer)), renderer_name="generic")
     messages = long_chat(True)
     k = next(i for i, m in enumerate(messages) if m.get("tool_calls"))
-    prompt = svc.begin("r0", messages[:k], TOOLS)
+    prompt = svc.begin("r0", messages[:k], TOOLS).ids
     assert prompt == family.reference_ids(messages[:k], TOOLS, agp=True)
     svc.renderer._conversations.__init__()  # forget the first prompt: only the history can help now
     seen = []
@@ -262,8 +263,9 @@ def test_the_renderer_service_bridges_with_the_history_it_holds() -> None:
     recover, generic_bridge.recover_conversation = generic_bridge.recover_conversation, lambda *a: None
     try:
         completion = sampled_completion(svc.renderer, prompt, family.reference_ids(messages[: k + 1], TOOLS))
-        svc.record_turn("r0", (0, completion, None, 0, messages[k]))
-        kind, ids, brk = svc.bridge_next("r0", messages[k + 1 : k + 2], 1)
+        svc.record_turn("r0", SampledTurn(0, completion, None, 0, messages[k]))
+        nxt = svc.bridge_next("r0", messages[k + 1 : k + 2], 1)
+        kind, ids, brk = nxt.kind, nxt.ids, nxt.brk
     finally:
         generic_bridge.recover_conversation = recover
     assert (kind, brk) == ("append", None)

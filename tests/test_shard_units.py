@@ -8,6 +8,7 @@ import time
 
 from rollout.renderer_service import RendererService
 from rollout.shards import DATA_DIR, ShardWriter, read_table
+from rollout.turns import RolloutMeta
 
 from ._support import tokenizer_dir
 from .test_data import synthetic_row
@@ -60,7 +61,7 @@ def test_renderer_service_flush(tmp_path):
     msgs = [{"role": "user", "content": "2+2?"}]
     svc.begin("s1", msgs, None)
     assert svc.flush() == []
-    assert svc.finish("s1", {"task_id": "s1", "group_id": "s1", "messages": msgs}) == 1
+    assert svc.finish("s1", RolloutMeta(task_id="s1", group_id="s1", messages=msgs)) == 1
     new = svc.flush()
     assert [f["rows"] for f in new] == [1]
     row = read_table(tmp_path / DATA_DIR / new[0]["file"]).to_pylist()[0]

@@ -16,6 +16,7 @@ import pytest
 
 from rollout.data import open_shards
 from rollout.renderer_service import RendererService
+from rollout.turns import RolloutMeta, SampledTurn
 from rollout.viewer import token_texts, write_viewer
 
 from ._support import REPO, ours, tokenizer_dir
@@ -81,19 +82,20 @@ def shards(tmp_path_factory):
     svc = RendererService(tokdir, out_dir=str(out), rows_per_file=100, model_name=tokdir)
     tok, r = svc.tokenizer, svc.renderer
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": USER}]
-    prompt = svc.begin("r0", msgs, None)
+    prompt = svc.begin("r0", msgs, None).ids
     c0 = tok.encode("<think>\nhmm<|im_end|>")
     lp0 = [-0.05 * (i + 1) for i in range(len(c0))]
     p0 = r.parse_response(c0, prompt, None).to_message()
     again = {"role": "user", "content": "again"}
-    kind, ids = svc.extend("r0", (0, c0, lp0, 0, p0), [again])
-    assert kind == "reset"  # the Break this test is about
+    nxt = svc.extend("r0", SampledTurn(0, c0, lp0, 0, p0), [again])
+    assert nxt.kind == "render" and nxt.brk is not None  # the Break this test is about
+    ids = nxt.ids
     c1 = tok.encode("<think>\nok</think>\n\n<script>x</script> 🎉<|im_end|>")
     lp1 = [-1.5 / (i + 1) for i in range(len(c1))]
     p1 = r.parse_response(c1, ids, None).to_message()
-    meta = {"task_id": "t0", "group_id": "g0", "reward": 1.0, "finish_reason": "no_tool_call",
-            "messages": msgs + [p0, again, p1]}
-    assert svc.finish("r0", meta, last_turn=(1, c1, lp1, 0, p1)) == 2
+    meta = RolloutMeta(task_id="t0", group_id="g0", reward=1.0, finish_reason="no_tool_call",
+                       messages=msgs + [p0, again, p1])
+    assert svc.finish("r0", meta, last_turn=SampledTurn(1, c1, lp1, 0, p1)) == 2
     svc.close()
     rows = open_shards(out).to_table().to_pylist()
     assert [row["segment_index"] for row in rows] == [0, 1]

@@ -39,7 +39,8 @@ class Turn:
     @property
     def info(self) -> dict[str, Any]:
         s = self.session
-        return {"id": s.id, "turn": s.turn - 1, "prompt": self.prepared.kind, "break": self.prepared.brk,
+        brk = self.prepared.brk
+        return {"id": s.id, "turn": s.turn - 1, "prompt": self.prepared.kind, "break": brk.to_dict() if brk else None,
                 "ended": self.end}
 
     def validated(self) -> None:
@@ -47,7 +48,7 @@ class Turn:
         m = self.state.metrics
         m.inc("session_turns_total", kind=self.prepared.kind)
         if self.prepared.brk is not None:
-            m.inc("breaks_total", reason=self.prepared.brk["reason"])
+            m.inc("breaks_total", reason=self.prepared.brk.reason)
 
     async def record(self, result: GenerateResult, assistant: dict) -> None:
         """Record the sampled turn (not an aborted one: the same messages again retry it)."""

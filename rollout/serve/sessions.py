@@ -34,6 +34,7 @@ from typing import Any
 from tito_renderers import MessageError, normalize_messages
 
 from ..handles import call
+from ..turns import RolloutMeta, SampledTurn, SegmentBreak
 from .schemas import BadRequest
 
 # Break reasons that come from the session layer, next to the renderer's BreakReason values
@@ -95,7 +96,7 @@ class Prepared:
 
     prompt_ids: list[int]
     kind: str
-    brk: dict | None = None
+    brk: SegmentBreak | None = None
 
 
 def _same_assistant(sent: dict, ours: dict) -> bool:
@@ -169,7 +170,7 @@ class SessionManager:
         if msgs[-1]["role"] == "assistant":
             raise MessageError("the last message is an assistant message: nothing to answer")
         if not s.prompt_ids:  # a new session
-            prepared = Prepared(await call(s.renderer, "begin", s.id, msgs, tools), "first")
+            prepared = Prepared((await call(s.renderer, "begin", s.id, msgs, tools)).ids, "first")
         elif s.assistant is None:  # the previous turn was never sampled (an engine error, a disconnect)
             if msgs == s.messages and tools == s.tools:
                 prepared = Prepared(s.prompt_ids, "retry")
@@ -183,11 +184,9 @@ class SessionManager:
             n = len(s.messages)
             extends = len(msgs) > n and msgs[:n] == s.messages and _same_assistant(msgs[n], s.assistant)
             if extends:
-                kind, ids, brk = await call(s.renderer, "bridge_next", s.id, msgs[n + 1:], s.turn)
-                if kind == "append":
-                    prepared = Prepared([*s.prompt_ids, *s.last_completion, *ids], "bridged")
-                else:
-                    prepared = Prepared(ids, "break", brk)
+                nxt = await call(s.renderer, "bridge_next", s.id, msgs[n + 1:], s.turn)
+                prompt = nxt.after(s.prompt_ids, s.last_completion)
+                prepared = Prepared(prompt, "bridged") if nxt.brk is None else Prepared(prompt, "break", nxt.brk)
             else:
                 at = _first_difference(msgs, [*s.messages, s.assistant])
                 prepared = await self._restart(
@@ -204,13 +203,13 @@ class SessionManager:
 
     async def _restart(self, s: Session, msgs: list[dict], tools: list[dict] | None, reason: str,
                        detail: str) -> Prepared:
-        ids = await call(s.renderer, "restart", s.id, msgs, tools, s.turn, reason, detail)
-        return Prepared(ids, "break", {"turn": s.turn, "reason": reason, "detail": detail, "position": None})
+        nxt = await call(s.renderer, "restart", s.id, msgs, tools, s.turn, reason, detail)
+        return Prepared(nxt.ids, "break", nxt.brk)
 
     async def record(self, s: Session, completion_ids: list[int], logprobs: list[float] | None,
                      weight_version: int, assistant: dict) -> None:
         """Record a sampled turn (trainable tokens + logprobs) and what the client was answered."""
-        await call(s.renderer, "record_turn", s.id, (s.turn, completion_ids, logprobs, weight_version, assistant))
+        await call(s.renderer, "record_turn", s.id, SampledTurn(s.turn, completion_ids, logprobs, weight_version, assistant))
         s.assistant = assistant
         s.last_completion = list(completion_ids)
         s.turn += 1
@@ -230,8 +229,8 @@ class SessionManager:
         if not s.prompt_ids:
             return 0
         if self.write_samples:
-            meta = {"task_id": session_id, "group_id": session_id, "finish_reason": reason,
-                    "messages": [*s.messages, *([s.assistant] if s.assistant else [])]}
+            meta = RolloutMeta(task_id=session_id, group_id=session_id, finish_reason=reason,
+                               messages=[*s.messages, *([s.assistant] if s.assistant else [])])
             return await call(s.renderer, "finish", session_id, meta)
         await call(s.renderer, "discard", session_id)
         return 0
