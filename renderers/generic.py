@@ -47,8 +47,8 @@ from .annotate import (
     snap,
 )
 from .base import THINKING_RETENTION, Renderer, TemplateRejected
+from .conversations import Conversations
 from .dialects import dialect_for
-from .full_bridge import Conversations
 from .generic_bridge import GenericBridge
 from .long_pieces import encode_pieces
 from .messages import MessageError, normalize_messages, normalize_tools

@@ -213,7 +213,7 @@ def test_an_empty_previous_prompt_is_refused() -> None:
 def test_conversation_memory_is_exact_and_bounded() -> None:
     """Prompts sharing a key (length and last ids) are never confused; a bridge's entry chains to its
     parent's; the oldest entries go first."""
-    from tito_renderers.full_bridge import Conversations
+    from tito_renderers.conversations import Conversations
 
     def parse(ids):
         return {"role": "assistant", "content": f"sampled {ids}"}
