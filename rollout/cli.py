@@ -1,4 +1,8 @@
-"""The ``tito`` command line."""
+"""The ``tito`` command line: argument parsing and the commands.
+
+``run`` and ``serve`` start actors through the :class:`~rollout.startup.Placement` that ``main`` is given:
+the ``tito`` command is actors/cli.py, which passes Ray's. The other commands need none, so
+``python -m rollout.cli render ...`` works without it."""
 
 from __future__ import annotations
 
@@ -8,6 +12,10 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .startup import Placement
 
 
 def _load_json(path: str, what: str):
@@ -131,7 +139,8 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(placement: Placement | None = None) -> argparse.ArgumentParser:
+    """The parser; ``run`` and ``serve`` start their actors through ``placement`` (None: they refuse to run)."""
     parser = argparse.ArgumentParser(prog="tito", description="Token-in/token-out rollouts for RL.")
     parser.add_argument("--version", action="version", version=f"tito {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -177,16 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_run import register
     from .cli_serve import register as register_serve
 
-    register(sub)
-    register_serve(sub)
+    register(sub, placement)
+    register_serve(sub, placement)
     register_doctor(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, placement: Placement | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `tito render ... | head` ends quietly
-    args = build_parser().parse_args(argv)
+    args = build_parser(placement).parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, KeyError) as exc:

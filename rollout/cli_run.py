@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import functools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .startup import Placement
 
 
-def cmd_run(args) -> int:
+def needs_placement(command: str, placement: Placement | None) -> Placement:
+    """The placement ``tito run`` and ``tito serve`` start their actors with; a clear error without one."""
+    if placement is None:
+        raise ValueError(f"{command} starts Ray actors: run it as `tito {command}` or `python -m actors.cli "
+                         f"{command}` (rollout.cli alone has no way to place them)")
+    return placement
+
+
+def cmd_run(args, placement: Placement | None) -> int:
     import sys
 
     from .config import load_config
     from .run import RunInterrupted, _signals_raise, print_summary, run, shutdown_ray
+
+    placement = needs_placement("run", placement)
 
     overrides = list(args.set)
     if args.format:
@@ -22,7 +37,7 @@ def cmd_run(args) -> int:
     # Ctrl-C / SIGTERM: one line and 128 + signal, never a traceback; later ones are ignored until the exit
     with _signals_raise(ignore_after=True):
         try:
-            summary = run(cfg, resume=args.resume, progress=not args.quiet)
+            summary = run(cfg, placement, resume=args.resume, progress=not args.quiet)
         except RunInterrupted as exc:
             if exc.summary is None:
                 print(f"tito run: {exc}: before any rollout ran; nothing new written to {cfg.output.dir}",
@@ -60,7 +75,7 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction, placement: Placement | None) -> None:
     run = sub.add_parser("run", help="run rollouts from a config and write training shards")
     run.add_argument("config", help="YAML run configuration (see configs/demo.yaml)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -70,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--out", help="output directory (default from the config)")
     run.add_argument("--resume", action="store_true", help="continue a run: skip groups already in the shards")
     run.add_argument("--quiet", action="store_true", help="no progress line")
-    run.set_defaults(func=cmd_run)
+    run.set_defaults(func=functools.partial(cmd_run, placement=placement))
 
     ins = sub.add_parser("inspect", help="summarise shards and show one sample with its trainable tokens")
     ins.add_argument("path", help="a shard directory or file")

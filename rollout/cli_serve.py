@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import functools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .startup import Placement
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args, placement: Placement | None) -> int:
+    from .cli_run import needs_placement
     from .config import ServeConfig, load_config
     from .serve.launch import serve
+
+    placement = needs_placement("serve", placement)
 
     overrides = list(args.set)
     if args.host:
@@ -20,11 +28,11 @@ def cmd_serve(args) -> int:
     print(f"tito serve: {cfg.served_model_name or cfg.model} on http://{cfg.server.host}:{cfg.server.port}: starting "
           f"model {cfg.model}, {cfg.engine.count} x {cfg.engine.backend} engine, renderer {cfg.renderer.name or 'auto'} "
           f"x {cfg.renderer.actors}, samples {cfg.output.dir or 'not written'}", flush=True)
-    serve(cfg)
+    serve(cfg, placement)
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction, placement: Placement | None) -> None:
     p = sub.add_parser("serve", help="serve the engines over HTTP: vLLM's token-in/token-out API and chat sessions")
     p.add_argument("config", nargs="?", help="YAML serve configuration (see configs/serve.yaml); none = defaults")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -32,4 +40,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="address to listen on (default from the config: 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default from the config: 8000; 0 = any free port)")
     p.add_argument("--address", help="join this Ray cluster instead of starting a local one")
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=functools.partial(cmd_serve, placement=placement))

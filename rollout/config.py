@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import yaml
 from pydantic import (
@@ -202,6 +202,23 @@ class ServeConfig(_Strict):
         if self.engine_in_process and self.engine.backend == "vllm":
             raise ValueError("engine_in_process supports the replay and embedded backends, not vllm")
         return self
+
+
+class StartupConfig(Protocol):
+    """What RunConfig and ServeConfig share, and all that the start-up common to ``tito run`` and ``tito serve``
+    reads (rollout/startup.py)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def engine(self) -> EngineConfig: ...
+
+    @property
+    def renderer(self) -> RendererConfig: ...
+
+    @property
+    def ray(self) -> RayConfig: ...
 
 
 def _set_path(data: dict, dotted: str, value: Any) -> None:

@@ -1,23 +1,26 @@
-"""``tito run CONFIG``: Ray, engine actors, renderer actors, the rollout driver, shards and a summary."""
+"""``tito run CONFIG``: Ray, engine actors, renderer actors, the rollout driver, shards and a summary.
+
+The start-up steps it shares with ``tito serve`` are in rollout/startup.py; the actors come from the
+:class:`~rollout.startup.Placement` the caller passes (the ``tito`` command: actors/placement.py, on Ray)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from . import startup
 from .config import RunConfig
 from .loop import RolloutDriver, RolloutOutcome
 from .outputs import check_resume, complete_groups, drop_groups, remove_temporaries, write_failure, write_outputs
 from .progress import Progress, ready_line, startup_line
 from .shards import DATA_DIR, ShardWriteError, output_shards, read_table, write_error_of
+from .startup import STOP_SIGNALS, Placement, in_main_thread
 
 
 class RunInterrupted(Exception):
@@ -29,16 +32,9 @@ class RunInterrupted(Exception):
         self.signum, self.summary = signum, summary
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # The first SIGINT/SIGTERM a run got. Only that one stops it: a later one (Ctrl-C pressed twice, a
 # supervisor repeating SIGTERM) is ignored, so it cannot cut short the flush, the summary or Ray's shutdown.
 _first_signal: list[int] = []
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()  # signal handlers are set only there
 
 
 def _raise_first_signal(signum: int, _frame: Any) -> None:
@@ -54,12 +50,12 @@ def _signals_raise(*, ignore_after: bool = False) -> Iterator[None]:
     handles them in :func:`_drive`. Only in the main thread. ``ignore_after`` (``cmd_run``, whose process
     exits next): once the block ended without an exception, both stay ignored instead of being restored,
     so a second Ctrl-C cannot break the interpreter's exit hooks (Ray's, torch's) with a traceback."""
-    if not _main_thread():
+    if not in_main_thread():
         yield
         return
     if signal.getsignal(signal.SIGINT) is not _raise_first_signal:  # the outermost: a new run
         _first_signal.clear()
-    old = {s: signal.signal(s, _raise_first_signal) for s in _STOP_SIGNALS}
+    old = {s: signal.signal(s, _raise_first_signal) for s in STOP_SIGNALS}
     ended = False
     try:
         yield
@@ -70,41 +66,13 @@ def _signals_raise(*, ignore_after: bool = False) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """While Ray starts its processes: a SIGINT/SIGTERM is noted and raised as :class:`RunInterrupted` only
-    once ``ray.init`` has returned. Cut short half-way, ``ray.init`` leaves the processes it already started
-    running without a driver (for minutes); whole, Ray's shutdown stops every one of them. Ray's own
-    SIGTERM handler (``sys.exit`` mid-start, exit status 15) is not installed for the same reason."""
-    if not _main_thread():
-        yield
-        return
-    import ray._private.utils as ray_utils  # Ray's hook for its driver SIGTERM handler
-
-    noted: list[int] = []
-    old = {s: signal.signal(s, lambda signum, _frame: noted.append(signum)) for s in _STOP_SIGNALS}
-    ray_sets_handler = getattr(ray_utils, "set_sigterm_handler", None)
-    if ray_sets_handler is not None:
-        ray_utils.set_sigterm_handler = lambda _handler: None
-    try:
-        yield
-    finally:
-        if ray_sets_handler is not None:
-            ray_utils.set_sigterm_handler = ray_sets_handler
-        for s, h in old.items():
-            signal.signal(s, h)
-    if noted and not _first_signal:
-        _first_signal.append(noted[0])
-        raise RunInterrupted(noted[0])
-
-
-@contextlib.contextmanager
 def _signals_ignored() -> Iterator[None]:
     """While finished groups are flushed after a signal, and Ray shuts down: a second Ctrl-C must not cut
     them short."""
-    if not _main_thread():
+    if not in_main_thread():
         yield
         return
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in _STOP_SIGNALS}
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -142,21 +110,6 @@ async def _drive(driver: RolloutDriver, tasks: list, signals: list[int]) -> list
             loop.remove_signal_handler(s)
 
 
-def _init_ray(cfg: RunConfig, *, defer_signals: bool = False) -> None:
-    """Start a local Ray or join ``cfg.ray.address``; ``defer_signals`` (``tito run``): see
-    :func:`_signals_deferred`."""
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if ray.is_initialized():
-        return
-    with _signals_deferred() if defer_signals else contextlib.nullcontext():
-        if cfg.ray.address:
-            ray.init(address=cfg.ray.address, log_to_driver=False)
-        else:
-            ray.init(address="local", num_cpus=_local_ray_cpus(cfg), include_dashboard=False, log_to_driver=False)
-
-
 def shutdown_ray() -> None:
     """Stop the Ray this process started (or leave the cluster it joined), with SIGINT/SIGTERM ignored
     meanwhile: ``cmd_run`` calls it once the run is over, so Ray is not left to an exit hook that a second
@@ -165,61 +118,6 @@ def shutdown_ray() -> None:
     if ray is not None and ray.is_initialized():
         with _signals_ignored():
             ray.shutdown()
-
-
-def _check_engine_options(backend: str, options: dict[str, Any]) -> None:
-    """Refuse options the backend's constructor does not take, naming them and the ones it does, before any
-    engine starts (an actor would otherwise fail with a TypeError deep in its start-up)."""
-    import inspect
-
-    from .engines.factory import backend_class
-
-    params = inspect.signature(backend_class(backend)).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
-    allowed = sorted(n for n, p in params.items() if p.kind is not p.VAR_POSITIONAL)
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(f"engine.options: {', '.join(unknown)} not an option of the {backend} backend "
-                         f"(its options: {', '.join(allowed)})")
-
-
-def _engine_num_gpus(cfg: RunConfig) -> float | None:
-    """GPUs per engine actor: the config's, else none on vLLM's CPU build (None: the kind's default)."""
-    if cfg.engine.num_gpus is None and cfg.engine.backend == "vllm":
-        from .engines.vllm_backend import vllm_platform
-
-        if vllm_platform() == "cpu":
-            return 0.0  # the engine actor holds one CPU, no GPU
-    return cfg.engine.num_gpus
-
-
-def _engine_specs(cfg: RunConfig, model_path: str, num_cpus: float | None = None) -> list[dict[str, Any]]:
-    """The engine actors' specs (the options checked first with :func:`_check_engine_options`); ``num_cpus``
-    replaces the config's CPUs per engine (see :func:`_fit_cpus`)."""
-    options = dict(cfg.engine.options)
-    if cfg.engine.backend == "embedded":
-        options.setdefault("model", model_path)
-    elif cfg.engine.backend == "vllm":
-        from .models import model_dir
-
-        # vLLM loads a safetensors directory: a GGUF (the default model) is converted once into the cache
-        options.setdefault("model", str(model_dir(model_path)))
-    return [{"kind": cfg.engine.backend, "kwargs": options, "max_concurrency": cfg.engine.max_concurrency,
-             "replicas": cfg.engine.count, "num_cpus": cfg.engine.num_cpus if num_cpus is None else num_cpus,
-             "num_gpus": _engine_num_gpus(cfg), "placement": cfg.engine.placement, "custom_resources": dict(cfg.engine.resources)}]
-
-
-def _model_path(name: str) -> Path:
-    """The model's file or directory; an alias that is not here yet is fetched first (the demo's first run)."""
-    from .models import ALIASES, ModelNotFound, pull_model, resolve_model
-
-    try:
-        return resolve_model(name)
-    except ModelNotFound:
-        if name not in ALIASES:
-            raise
-        return pull_model(name)
 
 
 def _check_unique_ids(tasks: list, env_name: str) -> None:
@@ -241,111 +139,6 @@ def done_rollouts(out_dir: Path) -> set[str]:
     return set(open_shards(out_dir).to_table(columns=["rollout_id"])["rollout_id"].to_pylist())
 
 
-def _preflight_engines(cfg: RunConfig, *, cluster: bool) -> None:
-    """Fail in seconds, with the reason, where the engines could never start (vLLM without a GPU would
-    otherwise wait forever for a GPU resource). Local: before Ray starts; a cluster: once joined."""
-    if cfg.engine.backend != "vllm":
-        return
-    from .engines.vllm_backend import cluster_gpu_problem, local_vllm_problem
-
-    problem = cluster_gpu_problem(cfg.engine.count, _engine_num_gpus(cfg)) if cluster else local_vllm_problem()
-    if problem:
-        raise ValueError(problem)
-
-
-def _check_output_dir(out_dir: Path) -> None:
-    """Refuse, before anything runs, an output directory the run could not create or write: the path of a
-    file, a path under a file, a place nobody can write (``/proc``, a read-only mount, an immutable
-    directory). A probe file is created and removed where the run's first file or directory will go
-    (the directory itself, its ``data/``, or the nearest existing parent); nothing else is written."""
-    where = f"output.dir {out_dir}"
-    probe_in = out_dir
-    try:
-        while not probe_in.exists() and probe_in != probe_in.parent:
-            probe_in = probe_in.parent
-    except OSError as exc:  # e.g. a parent that cannot be searched
-        raise ValueError(f"{where}: cannot look at {probe_in}: {exc.strerror}") from None
-    if not probe_in.is_dir():
-        what = "is a file" if probe_in == out_dir else f"is under {probe_in}, a file"
-        raise ValueError(f"{where}: {what}, not a directory; choose another output.dir (--out)")
-    targets = [probe_in] + [out_dir / DATA_DIR] * (out_dir / DATA_DIR).is_dir()
-    for directory in targets:
-        try:
-            before = directory.stat()
-            fd, probe = tempfile.mkstemp(prefix=".tito-write-probe-", dir=directory)
-            os.close(fd)
-            os.unlink(probe)
-            # the directory's times as they were: a run refused later (a resume with another config) changed nothing
-            os.utime(directory, ns=(before.st_atime_ns, before.st_mtime_ns))
-        except OSError as exc:
-            raise ValueError(f"{where}: cannot write in {directory}: {exc.strerror}; choose another output.dir "
-                             "(--out)") from None
-
-
-# Ray places an actor only where its CPUs are free; quantities below 1 go in steps of 1/10000
-_RAY_CPU_STEP = 1e-4
-# joining a cluster (--address), how long nodes may take to join before a run that cannot be placed stops
-CLUSTER_CPU_WAIT_S = 60.0
-
-
-def _default_engine_cpus(cfg: RunConfig) -> float:
-    from .engines.factory import DEFAULT_RESOURCES
-
-    return DEFAULT_RESOURCES[cfg.engine.backend]["num_cpus"]
-
-
-def _cpus_needed(cfg: RunConfig, engine_cpus: float) -> tuple[float, str]:
-    """The CPUs every actor of the run holds, and how they add up (for messages)."""
-    n, r, r_cpus = cfg.engine.count, cfg.renderer.actors, cfg.renderer.num_cpus
-    need = n * engine_cpus + r * r_cpus
-    return need, f"{n} engine actor(s) x {engine_cpus:g} + {r} renderer actor(s) x {r_cpus:g} = {need:g} CPUs"
-
-
-def _local_ray_cpus(cfg: RunConfig) -> int:
-    return cfg.ray.num_cpus or os.cpu_count() or 1
-
-
-def _fit_cpus(cfg: RunConfig, available: float) -> tuple[float | None, str | None]:
-    """CPUs per engine actor such that every actor can be placed on ``available`` Ray CPUs (a local Ray):
-    ``(None, None)`` where the config's already fit. Where ``engine.num_cpus`` is unset, the engines share
-    what the renderer actors leave, in equal parts (``(share, a note saying so)``); otherwise, or where no
-    share is left, a ValueError with the numbers and what to set. Without this Ray never places the actors
-    it has no CPUs for, and the run waits forever at 0 rollouts."""
-    per_engine = cfg.engine.num_cpus if cfg.engine.num_cpus is not None else _default_engine_cpus(cfg)
-    need, sums = _cpus_needed(cfg, per_engine)
-    if need <= available + _RAY_CPU_STEP / 2:
-        return None, None
-    left = available - cfg.renderer.actors * cfg.renderer.num_cpus
-    share = min(int(left / cfg.engine.count / _RAY_CPU_STEP) * _RAY_CPU_STEP, per_engine)
-    if cfg.engine.num_cpus is None and share > 0:
-        return share, (f"the actors would need {sums} and the local Ray has {available:g}: each engine actor "
-                       f"takes {share:g} CPU (set engine.num_cpus or ray.num_cpus to choose)")
-    fix = (f"--set engine.num_cpus={share:g}" if share > 0 else
-           f"fewer renderer actors or a smaller renderer.num_cpus (the renderers alone need "
-           f"{cfg.renderer.actors * cfg.renderer.num_cpus:g})")
-    raise ValueError(f"the actors need {sums} but the local Ray has {available:g} CPUs (ray.num_cpus, default: "
-                     f"this machine's): they would wait forever; use {fix}, or raise ray.num_cpus")
-
-
-def _wait_for_cluster_cpus(cfg: RunConfig, engine_cpus: float | None, note: Any) -> None:
-    """Joined to a cluster (or a Ray started before the run): wait up to :data:`CLUSTER_CPU_WAIT_S` for its
-    CPUs to hold every actor (nodes may still be joining), then stop with the numbers. A total that suffices
-    can still fail to place an actor whose CPUs no single node has free; that is Ray's to report."""
-    import ray
-
-    need, sums = _cpus_needed(cfg, engine_cpus if engine_cpus is not None else _default_engine_cpus(cfg))
-    deadline = time.monotonic() + (CLUSTER_CPU_WAIT_S if cfg.ray.address else 0.0)
-    while (have := ray.cluster_resources().get("CPU", 0.0)) < need - _RAY_CPU_STEP / 2:
-        if time.monotonic() >= deadline:
-            waited = f" after waiting {CLUSTER_CPU_WAIT_S:g} s for nodes" if cfg.ray.address else ""
-            raise ValueError(f"the actors need {sums} but the Ray cluster has {have:g} CPUs{waited}: add nodes, "
-                             "or lower engine.num_cpus, renderer.num_cpus, engine.count or renderer.actors")
-        if note is not None:
-            note(f"waiting for the cluster's CPUs: {have:g} of the {need:g} the actors need ({sums})")
-            note = None
-        time.sleep(1.0)
-
-
 def _this_run(out_dir: Path, closed: list[dict]) -> tuple[int, int]:
     """(rollouts, sampled tokens) in the files this run wrote."""
     rollouts = tokens = 0
@@ -356,15 +149,12 @@ def _this_run(out_dir: Path, closed: list[dict]) -> tuple[int, int]:
     return rollouts, tokens
 
 
-def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Run every task's group (skipping, with ``resume``, the groups complete on disk) and return the
-    summary written to ``_summary.json``. Raises :class:`RunInterrupted` on SIGINT/SIGTERM after the
-    finished groups, the manifest and the summary are on disk."""
+def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Run every task's group (skipping, with ``resume``, the groups complete on disk) on actors that
+    ``placement`` starts, and return the summary written to ``_summary.json``. Raises
+    :class:`RunInterrupted` on SIGINT/SIGTERM after the finished groups, the manifest and the summary are
+    on disk."""
     import ray
-
-    from actors.engine import start_engine_actors
-    from actors.renderer import start_renderer_actors
-    from tito_renderers import create_renderer, load_tokenizer
 
     from .envs import load_tasks, make_env
 
@@ -372,14 +162,14 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
     if out_dir.exists() and output_shards(out_dir) and not resume:
         raise ValueError(f"output directory {out_dir} already holds shards: pass --resume to continue it, "
                          "or choose another output.dir")
-    _check_output_dir(out_dir)
-    _check_engine_options(cfg.engine.backend, dict(cfg.engine.options))
+    startup.check_output_dir(out_dir)
+    startup.check_engine_options(cfg.engine.backend, cfg.engine.options)
     engine_cpus, cpu_note = None, None
     local_ray = not cfg.ray.address and not ray.is_initialized()
     if not cfg.ray.address:  # first: a run that cannot start says so in seconds, before any loading
-        _preflight_engines(cfg, cluster=False)
+        startup.check_vllm_here(cfg.engine)
     if local_ray:
-        engine_cpus, cpu_note = _fit_cpus(cfg, _local_ray_cpus(cfg))
+        engine_cpus, cpu_note = startup.fit_cpus(cfg, startup.local_ray_cpus(cfg.ray))
     env = make_env(cfg.env.name, **cfg.env.options)
     if cfg.tasks.path:  # a bad or repeated row is named (file and line) before the model is loaded
         tasks = load_tasks(cfg.tasks.path).tasks[: cfg.tasks.count]
@@ -387,11 +177,10 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
         tasks = env.generate_tasks(cfg.tasks.count or 8, cfg.tasks.seed)
         _check_unique_ids(tasks, cfg.env.name)
     config = cfg.model_dump(mode="json")
-    model_path = str(_model_path(cfg.model))
+    model_path = str(startup.find_model(cfg.model))
     # the driver parses completions itself (same renderer code and tokenizer as the renderer actors);
     # built first, so a resume is checked against the template hash before anything runs
-    parser = create_renderer(load_tokenizer(model_path), name=cfg.renderer.name,
-                             thinking_retention=cfg.renderer.thinking_retention, **cfg.renderer.template_kwargs)
+    parser = startup.create_parser(cfg.renderer, model_path)
     if resume and out_dir.exists() and output_shards(out_dir):
         check_resume(out_dir, config, parser.template_sha256 or "")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -422,21 +211,17 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
     t0 = time.perf_counter()
     with _signals_raise():
         try:
-            _init_ray(cfg, defer_signals=True)
+            startup.init_ray(cfg.ray, defer_signals=True)
             if cfg.ray.address:
-                _preflight_engines(cfg, cluster=True)
+                startup.check_cluster_gpus(cfg.engine)
             if not local_ray:
-                _wait_for_cluster_cpus(cfg, engine_cpus, bar.note)
-            engines = start_engine_actors(_engine_specs(cfg, model_path, engine_cpus))
-            infos = ray.get([e.start.remote() for e in engines])
-            renderer_actors = start_renderer_actors(
-                cfg.renderer.actors, model_path, num_cpus=cfg.renderer.num_cpus, resources=dict(cfg.renderer.resources),
-                renderer_name=cfg.renderer.name, template_kwargs=cfg.renderer.template_kwargs,
-                thinking_retention=cfg.renderer.thinking_retention,
-                out_dir=str(out_dir), fmt=cfg.output.format, rows_per_file=cfg.output.rows_per_file,
-                flush_interval_s=cfg.output.flush_interval_s, model_name=cfg.model,
-            )
-            rinfo = ray.get(renderer_actors[0].info.remote())
+                startup.wait_for_cluster_cpus(cfg, engine_cpus, bar.note)
+            engines = placement.start_engines(startup.engine_specs(cfg.engine, model_path, engine_cpus))
+            infos = ray.get([e.actor.start.remote() for e in engines])
+            renderer_actors = placement.start_renderers(startup.RendererSpec(
+                model_path, cfg.renderer, model_name=cfg.model, out_dir=str(out_dir), fmt=cfg.output.format,
+                rows_per_file=cfg.output.rows_per_file, flush_interval_s=cfg.output.flush_interval_s))
+            rinfo = ray.get(renderer_actors[0].actor.info.remote())
             startup_s = time.perf_counter() - t0
             bar.note(ready_line(startup_s, len(engines), rinfo))
             bar.start()
@@ -452,7 +237,7 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
     with _signals_ignored():
         # flush: every finished group still pending in a renderer goes to a file now
         try:
-            closed = ray.get([r.close.remote() for r in renderer_actors]) if renderer_actors else []
+            closed = ray.get([r.actor.close.remote() for r in renderer_actors]) if renderer_actors else []
         except Exception:
             if error is None:
                 raise
@@ -485,7 +270,7 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = True) -> dict[
                 error = write_failure(error, out_dir, summary=summary)
         for actor in engines + renderer_actors:
             with contextlib.suppress(Exception):
-                ray.kill(actor)
+                ray.kill(actor.actor)
     if error is not None:
         raise error
     if signals:

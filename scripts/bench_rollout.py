@@ -35,6 +35,7 @@ import ray  # noqa: E402
 from benchdoc import markers, replace_section  # noqa: E402
 
 from actors.engine import start_engine_actors  # noqa: E402
+from actors.placement import RayPlacement  # noqa: E402
 from actors.renderer import start_renderer_actors  # noqa: E402
 from rollout.config import load_config  # noqa: E402
 from rollout.engines.replay import ReplayRecord  # noqa: E402
@@ -111,18 +112,18 @@ def bench_replay(fixtures: Path, n_tasks: int, group: int, repeats: int) -> dict
                                             "kwargs": {"records": records, "vocab_size": local.tokenizer.vocab_size,
                                                        "max_model_len": 40960}}])
             renderers = start_renderer_actors(1, model, out_dir=out, num_cpus=0)
-            info = ray.get(engines[0].info.remote())
-            ray.get([r.info.remote() for r in renderers])  # actors built (tokenizer loaded) before timing
+            info = ray.get(engines[0].actor.info.remote())
+            ray.get([r.actor.info.remote() for r in renderers])  # actors built (tokenizer loaded) before timing
             driver = RolloutDriver(cfg, env, engines, renderers, info, local.renderer)
             t0 = time.perf_counter()
             outcomes = asyncio.run(driver.run(tasks))
             wall = time.perf_counter() - t0
-            closed = ray.get(renderers[0].close.remote())
+            closed = ray.get(renderers[0].actor.close.remote())
             assert all(o.error is None and o.turns == TURNS for o in outcomes), [o.error for o in outcomes if o.error][:3]
             assert closed["turns_bridged"] == len(outcomes) * (TURNS - 1) and not closed["break_counts"]
             results.append((wall, closed["turns_bridged"], len(outcomes), sum(o.turns for o in outcomes), closed["cpu_s"]))
-            for a in engines + renderers:
-                ray.kill(a)
+            for h in engines + renderers:
+                ray.kill(h.actor)
     wall = statistics.median(r[0] for r in results)
     cpu = statistics.median(r[4] for r in results)
     bridged, rollouts, turns = results[0][1:4]
@@ -138,7 +139,7 @@ def bench_embedded(concurrent: int) -> dict:
         cfg = load_config(REPO / "configs" / "demo.yaml", [
             f"output.dir={out}", f"tasks.count={concurrent // 4}", "group_size=4", f"max_concurrent_rollouts={concurrent}",
             "max_tokens_per_turn=32", "max_tokens_per_rollout=96", "sampling.seed=0"])
-        summary = run(cfg, progress=False)
+        summary = run(cfg, RayPlacement(), progress=False)
         sizes = {}
         tokens = sum(f["tokens"] for f in json.loads((Path(out) / "_manifest.json").read_text())["files"])
         sizes["arrow"] = sum(p.stat().st_size for p in Path(out).glob("data/*.arrow")) / tokens

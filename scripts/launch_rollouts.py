@@ -48,7 +48,7 @@ def build_command(args: argparse.Namespace) -> list[str]:
                    "env_vars": {"HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}}
     if args.pip:
         runtime_env["pip"] = args.pip
-    entry = [args.python, "-m", "rollout.cli", "run", str(rel), "--address", "auto", "--quiet"]
+    entry = [args.python, "-m", "actors.cli", "run", str(rel), "--address", "auto", "--quiet"]
     for item in args.set:
         entry += ["--set", item]
     if args.resume:

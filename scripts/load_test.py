@@ -49,7 +49,7 @@ def free_port() -> int:
 def start_server(args, in_process: bool) -> tuple[subprocess.Popen, str]:
     port = free_port()
     options = "{synthetic: true, vocab_size: 49152, max_model_len: 8192, token_delay_s: 0}"
-    cmd = [sys.executable, "-m", "rollout.cli", "serve", "--port", str(port), "--set", f"model={args.model}",
+    cmd = [sys.executable, "-m", "actors.cli", "serve", "--port", str(port), "--set", f"model={args.model}",
            "--set", "engine.backend=replay", "--set", f"engine.count={args.engines}",
            "--set", f"engine.options={options}", "--set", "engine.max_concurrency=1024",
            "--set", "served_model_name=load-test"]

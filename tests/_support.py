@@ -211,6 +211,7 @@ def serving(tmp_path_factory, namespace: str, settings: list[str], engine_option
     values ``--set`` cannot spell. Stops the server, its actors and that Ray afterwards."""
     import ray
 
+    from actors.placement import RayPlacement
     from rollout.config import ServeConfig, load_config
     from rollout.serve.launch import ServerThread, build_state
 
@@ -220,14 +221,14 @@ def serving(tmp_path_factory, namespace: str, settings: list[str], engine_option
         cfg = load_config(None, settings, schema=ServeConfig)
         if engine_options is not None:
             cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"options": engine_options})})
-        state, actors = build_state(cfg)
+        state, actors = build_state(cfg, RayPlacement())
         srv = ServerThread(state).start()
         try:
             yield srv
         finally:
             srv.stop()
-            for actor in actors:
-                ray.kill(actor)
+            for handle in actors:
+                ray.kill(handle.actor)
     finally:
         ray.shutdown()
 

@@ -10,7 +10,7 @@ from ._support import REPO, smollm2_gguf, tokenizer_dir
 
 
 def tito(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "actors.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def test_render_prints_ids_and_attribution(tmp_path):

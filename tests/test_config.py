@@ -74,13 +74,13 @@ def test_resume_differences_name_every_field(tmp_path):
 
 
 def test_engine_options_the_backend_does_not_take_are_refused_naming_them():
-    from rollout.run import _check_engine_options
+    from rollout.startup import check_engine_options
 
-    _check_engine_options("vllm", {"max_model_len": 2048, "enforce_eager": True})  # accepted
+    check_engine_options("vllm", {"max_model_len": 2048, "enforce_eager": True})  # accepted
     with pytest.raises(ValueError, match=r"threads not an option of the vllm backend \(its options: .*enforce_eager"):
-        _check_engine_options("vllm", {"threads": 1})  # what configs/serve.yaml sets for the embedded engine
+        check_engine_options("vllm", {"threads": 1})  # what configs/serve.yaml sets for the embedded engine
     with pytest.raises(ValueError, match="thread not an option of the embedded backend"):
-        _check_engine_options("embedded", {"thread": 2})
+        check_engine_options("embedded", {"thread": 2})
 
 
 # Issue 23: every bad value is a one-line error naming the key and what it accepts, before Ray starts.
@@ -111,7 +111,7 @@ def test_values_the_engines_accept_are_accepted():
 
 
 def test_cli_config_error_is_rc2_and_one_line(capsys):
-    from rollout.cli import main
+    from actors.cli import main
 
     assert main(["run", "configs/demo.yaml", "--out", "/nonexistent/never", "--set", "sampling.top_k=-5"]) == 2
     err = capsys.readouterr().err
@@ -155,27 +155,27 @@ def test_a_task_file_that_is_not_utf8_names_file_and_line(tmp_path):
 # Output directories: checked by writing a probe file where the first file will go; nothing is left.
 
 def test_output_dirs_that_cannot_be_written_are_refused_before_anything(tmp_path):
-    from rollout.run import _check_output_dir
+    from rollout.startup import check_output_dir
 
     a_file = tmp_path / "afile"
     a_file.write_text("x")
     with pytest.raises(ValueError, match=rf"output.dir {a_file}: is a file, not a directory"):
-        _check_output_dir(a_file)
+        check_output_dir(a_file)
     with pytest.raises(ValueError, match=rf"output.dir {a_file}/sub: is under {a_file}, a file, not a directory"):
-        _check_output_dir(a_file / "sub")
+        check_output_dir(a_file / "sub")
     with pytest.raises(ValueError, match=r"output.dir /proc/x/y: cannot write in /proc: "):
-        _check_output_dir(Path("/proc/x/y"))
-    _check_output_dir(tmp_path / "new" / "deeper")  # writable: fine, and nothing created
+        check_output_dir(Path("/proc/x/y"))
+    check_output_dir(tmp_path / "new" / "deeper")  # writable: fine, and nothing created
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
     (tmp_path / "run" / "data").mkdir(parents=True)  # a resume: the directory and its data/ are probed
     times = {p: p.stat().st_mtime_ns for p in (tmp_path / "run", tmp_path / "run" / "data")}
-    _check_output_dir(tmp_path / "run")
+    check_output_dir(tmp_path / "run")
     assert {p: p.stat().st_mtime_ns for p in times} == times and not any((tmp_path / "run" / "data").iterdir())
 
 
 def test_an_immutable_output_dir_is_refused(tmp_path):
     """Root ignores mode bits: an immutable directory (chattr +i, ext4) is what nobody can write."""
-    from rollout.run import _check_output_dir
+    from rollout.startup import check_output_dir
 
     locked = tmp_path / "locked"
     (locked / "data").mkdir(parents=True)
@@ -183,10 +183,10 @@ def test_an_immutable_output_dir_is_refused(tmp_path):
         pytest.skip("chattr +i is not available here (needs root and a file system with the immutable flag)")
     try:
         with pytest.raises(ValueError, match=rf"cannot write in {locked}/data: Operation not permitted"):
-            _check_output_dir(locked)  # a resume into it: its data/ is probed too
+            check_output_dir(locked)  # a resume into it: its data/ is probed too
         subprocess.run(["chattr", "+i", str(locked)], check=True)
         with pytest.raises(ValueError, match=rf"output.dir {locked}/new: cannot write in {locked}: "):
-            _check_output_dir(locked / "new")
+            check_output_dir(locked / "new")
     finally:
         subprocess.run(["chattr", "-i", str(locked), str(locked / "data")], check=True)
     assert sorted(p.name for p in locked.iterdir()) == ["data"] and not any((locked / "data").iterdir())
@@ -195,18 +195,18 @@ def test_an_immutable_output_dir_is_refused(tmp_path):
 # Ray CPUs: the actors must fit, else Ray never places them and the run sits at 0 rollouts.
 
 def test_engines_share_the_local_cpus_or_the_run_stops_with_the_numbers():
-    from rollout.run import _fit_cpus
+    from rollout.startup import fit_cpus
 
     cfg = load_config(REPO / "configs" / "demo.yaml")  # 1 embedded engine (1 CPU) + 1 renderer (0.25)
-    assert _fit_cpus(cfg, 2) == (None, None)
-    share, note = _fit_cpus(load_config(REPO / "configs" / "demo.yaml", ["engine.count=2"]), 2)
+    assert fit_cpus(cfg, 2) == (None, None)
+    share, note = fit_cpus(load_config(REPO / "configs" / "demo.yaml", ["engine.count=2"]), 2)
     assert share == 0.875 and "= 2.25 CPUs and the local Ray has 2: each engine actor takes 0.875 CPU" in note
     with pytest.raises(ValueError, match=r"2 engine actor\(s\) x 1 \+ 1 renderer actor\(s\) x 0.25 = 2.25 CPUs but "
                                          r"the local Ray has 2 CPUs .*use --set engine.num_cpus=0.875"):
-        _fit_cpus(load_config(REPO / "configs" / "demo.yaml", ["engine.count=2", "engine.num_cpus=1"]), 2)
+        fit_cpus(load_config(REPO / "configs" / "demo.yaml", ["engine.count=2", "engine.num_cpus=1"]), 2)
     with pytest.raises(ValueError, match=r"smaller renderer.num_cpus \(the renderers alone need 2\)"):
-        _fit_cpus(load_config(REPO / "configs" / "demo.yaml", ["renderer.actors=8"]), 2)
-    assert _fit_cpus(load_config(None, ["engine.backend=replay", "engine.count=16"]), 1) == (None, None)
+        fit_cpus(load_config(REPO / "configs" / "demo.yaml", ["renderer.actors=8"]), 2)
+    assert fit_cpus(load_config(None, ["engine.backend=replay", "engine.count=16"]), 1) == (None, None)
 
 
 # Signals, with real signals to this process: only the first stops a run; during ray.init it waits.
@@ -236,10 +236,11 @@ def test_a_signal_while_ray_starts_is_raised_once_it_is_up():
 
     import ray._private.utils as ray_utils
 
-    from rollout.run import RunInterrupted, _signals_deferred, _signals_raise
+    from rollout.run import RunInterrupted, _signals_raise
+    from rollout.startup import signals_deferred
 
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(RunInterrupted) as got, _signals_raise(), _signals_deferred():
+    with pytest.raises(RunInterrupted) as got, _signals_raise(), signals_deferred():
         ray_utils.set_sigterm_handler(lambda *_: None)  # what ray.init does: here a no-op
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)

@@ -17,7 +17,7 @@ def test_demo_run_and_inspect(tmp_path):
     smollm2_gguf()  # skip (or fail under CI=true) without the default model
     out = tmp_path / "demo"
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
-    cmd = [sys.executable, "-m", "rollout.cli", "run", "configs/demo.yaml", "--out", str(out), "--quiet",
+    cmd = [sys.executable, "-m", "actors.cli", "run", "configs/demo.yaml", "--out", str(out), "--quiet",
            "--set", "tasks.count=2", "--set", "group_size=2", "--set", "max_tokens_per_turn=24",
            "--set", "max_tokens_per_rollout=72"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -32,7 +32,7 @@ def test_demo_run_and_inspect(tmp_path):
         assert r["completion_tokens"] == sum(r["loss_mask"]) > 0
         assert all(lp <= 0 for lp, m in zip(r["logprobs"], r["loss_mask"]) if m)
         assert r["template_sha256"].startswith("872be49dbb638044")
-    shown = subprocess.run([sys.executable, "-m", "rollout.cli", "inspect", str(out), "--html", str(tmp_path / "s.html")],
+    shown = subprocess.run([sys.executable, "-m", "actors.cli", "inspect", str(out), "--html", str(tmp_path / "s.html")],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "trainable_fraction" in shown.stdout

@@ -43,7 +43,7 @@ def _config(tmp_path, out) -> str:
 
 
 def _tito(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout.cli", *args], cwd=REPO, env=ENV, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "actors.cli", *args], cwd=REPO, env=ENV, capture_output=True,
                           text=True, timeout=300)
 
 

@@ -37,7 +37,7 @@ def real_run(out, *settings: str):
     """A small real run of the demo configuration (embedded SmolLM2) through the command line."""
     smollm2_gguf()  # skip (or fail under CI=true) without the default model
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
-    cmd = [sys.executable, "-m", "rollout.cli", "run", "configs/demo.yaml", "--out", str(out), "--quiet",
+    cmd = [sys.executable, "-m", "actors.cli", "run", "configs/demo.yaml", "--out", str(out), "--quiet",
            "--set", "tasks.count=2", "--set", "group_size=2", "--set", "max_tokens_per_turn=16",
            "--set", "max_tokens_per_rollout=64"]
     for s in settings:

@@ -25,6 +25,7 @@ import tito_renderers as renderers
 from rollout.config import RunConfig
 from rollout.engines.replay import ReplayEngine
 from rollout.envs.calculator import CalculatorEnv
+from rollout.handles import LocalEngine
 from rollout.loop import RolloutDriver, RolloutOutcome
 from rollout.progress import Progress
 
@@ -48,7 +49,7 @@ def _colours(text: str) -> list[str]:
 def _driver(breaks: int) -> RolloutDriver:
     tok = ours(QWEN)
     engine = ReplayEngine(synthetic=True, vocab_size=tok.vocab_size)
-    driver = RolloutDriver(RunConfig(), CalculatorEnv(), [engine], [], engine.info(), renderers.create_renderer(tok))
+    driver = RolloutDriver(RunConfig(), CalculatorEnv(), [LocalEngine(engine)], [], engine.info(), renderers.create_renderer(tok))
     driver.breaks = breaks
     return driver
 
@@ -166,7 +167,7 @@ def test_use_color_only_on_a_terminal_without_no_color(monkeypatch):
 
 
 def test_version_is_the_package_version():
-    done = subprocess.run([sys.executable, "-m", "rollout.cli", "--version"], cwd=REPO, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "actors.cli", "--version"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     expected = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     assert done.returncode == 0 and done.stdout == f"tito {expected}\n", (done.stdout, done.stderr)
@@ -185,7 +186,7 @@ def test_run_into_a_pipe_has_startup_ready_and_progress_lines(tmp_path):
             f"engine.options={{synthetic: true, vocab_size: {VOCAB}, max_model_len: 4096, token_delay_s: 0.002}}",
             "env.name=try_again", "tasks.count=3", "group_size=2", "max_turns=2", "max_tokens_per_turn=16",
             "max_tokens_per_rollout=32", "renderer.actors=1", "ray.num_cpus=2"]
-    cmd = [sys.executable, "-m", "rollout.cli", "run", "configs/demo.yaml", "--out", str(out)]
+    cmd = [sys.executable, "-m", "actors.cli", "run", "configs/demo.yaml", "--out", str(out)]
     for s in sets:
         cmd += ["--set", s]
     done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
@@ -208,7 +209,7 @@ def test_serve_prints_a_ready_line_with_the_bound_url(tmp_path):
                       f"  options: {{synthetic: true, vocab_size: {VOCAB}, max_model_len: 256}}\nengine_in_process: true\n"
                       "ray:\n  num_cpus: 1\n")
     err = (tmp_path / "stderr").open("w+")  # a file, not a pipe nobody reads: the server must never block on it
-    proc = subprocess.Popen([sys.executable, "-m", "rollout.cli", "serve", str(config), "--port", "0"], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "serve", str(config), "--port", "0"], cwd=REPO,
                             env=_env(), stdout=subprocess.PIPE, stderr=err, text=True)
     lines: list[str] = []
     try:

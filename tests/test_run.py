@@ -16,8 +16,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray  # noqa: E402
 
 from actors.engine import start_engine_actors  # noqa: E402
+from actors.placement import RayPlacement  # noqa: E402
 from rollout.config import load_config  # noqa: E402
 from rollout.envs import make_env  # noqa: E402
+from rollout.handles import LocalRenderer  # noqa: E402
 from rollout.inspect_shards import summarize  # noqa: E402
 from rollout.loop import RolloutDriver  # noqa: E402
 from rollout.renderer_service import RendererService  # noqa: E402
@@ -25,6 +27,8 @@ from rollout.run import done_rollouts, run  # noqa: E402
 from rollout.shards import MANIFEST, SUMMARY, read_table  # noqa: E402
 
 from ._support import tokenizer_dir  # noqa: E402
+
+RAY = RayPlacement()
 
 VOCAB = 151665  # the Qwen2.5 fixture's vocabulary
 
@@ -57,7 +61,7 @@ def _rows(out_dir):
 
 def test_run_writes_each_rollout_once(tmp_path):
     cfg = _config(tmp_path)
-    summary = run(cfg, progress=False)
+    summary = run(cfg, RAY, progress=False)
     out = tmp_path / "out"
     assert summary["rollouts"] == 6 and summary["errors"] == 0
     rows = _rows(out)
@@ -76,14 +80,14 @@ def test_run_writes_each_rollout_once(tmp_path):
     assert summarize(out)["rollouts"] == 6
     # a second run into the same directory must not silently mix runs
     with pytest.raises(ValueError, match="--resume"):
-        run(cfg, progress=False)
+        run(cfg, RAY, progress=False)
 
 
 def test_resume_completes_without_duplicates(tmp_path):
-    run(_config(tmp_path, **{"tasks.count": 2}), progress=False)  # "interrupted" after 2 of 4 tasks
+    run(_config(tmp_path, **{"tasks.count": 2}), RAY, progress=False)  # "interrupted" after 2 of 4 tasks
     before = done_rollouts(tmp_path / "out")
     assert len(before) == 4
-    summary = run(_config(tmp_path, **{"tasks.count": 4}), resume=True, progress=False)
+    summary = run(_config(tmp_path, **{"tasks.count": 4}), RAY, resume=True, progress=False)
     assert summary["this_run"]["skipped_tasks_resumed"] == 2 and summary["this_run"]["rollouts"] == 4
     # manifest and summary cover every shard on disk, both runs'
     assert summary["rollouts"] == 8 and summary["tasks"] == 4
@@ -97,16 +101,16 @@ def test_engine_killed_mid_run_loses_and_duplicates_nothing(tmp_path):
     cfg = _config(tmp_path, **{"tasks.count": 4, "engine.options": "{synthetic: true, vocab_size: 151665, "
                                                     "max_model_len: 4096, token_delay_s: 0.02}"})
     engines = start_engine_actors([{"kind": "replay", "kwargs": dict(cfg.engine.options), "replicas": 2, "num_cpus": 0}])
-    info = ray.get(engines[0].info.remote())
+    info = ray.get(engines[0].actor.info.remote())
     svc = RendererService(cfg.model, out_dir=str(tmp_path / "out"), rows_per_file=3)
     env = make_env("try_again")
     tasks = env.generate_tasks(4, 0)
-    driver = RolloutDriver(cfg, env, engines, [svc], info, svc.renderer)
+    driver = RolloutDriver(cfg, env, engines, [LocalRenderer(svc)], info, svc.renderer)
 
     async def main():
         job = asyncio.create_task(driver.run(tasks))
         await asyncio.sleep(0.4)  # rollouts are mid-turn on both engines
-        ray.kill(engines[0])
+        ray.kill(engines[0].actor)
         return await job
 
     outcomes = asyncio.run(main())
@@ -159,7 +163,7 @@ def test_resume_repairs_split_and_duplicated_groups_of_the_old_layout(tmp_path):
         # a resume of schema 1 reran the straddling group: its first member again, another reward
         "shard-r0-00001.arrow": [member(doubled, 1), member(doubled, 0, reward=9.0)],
     })
-    summary = run(cfg, resume=True, progress=False)
+    summary = run(cfg, RAY, resume=True, progress=False)
     assert summary["this_run"]["groups_rerun_after_repair"] == sorted([partial, doubled])
     assert summary["this_run"]["rollouts"] == 4 and summary["this_run"]["skipped_tasks_resumed"] == 1
     rows = _rows(out)
@@ -188,7 +192,7 @@ def test_resume_with_other_sampling_is_an_error_before_anything_runs(tmp_path):
     write_outputs(out, cfg.model_dump(mode="json"), {})
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     with pytest.raises(ResumeMismatch) as err:
-        run(_config(tmp_path, **{"tasks.count": 2, "sampling.temperature": 0.5, "sampling.top_k": 20}),
+        run(_config(tmp_path, **{"tasks.count": 2, "sampling.temperature": 0.5, "sampling.top_k": 20}), RAY,
             resume=True, progress=False)
     assert "sampling.temperature: 1.0 -> 0.5" in str(err.value) and "sampling.top_k: 0 -> 20" in str(err.value)
     assert "tasks.count" not in str(err.value)  # more tasks is what a resume is for

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 
 def _tito_run(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout.cli", "run", *args], cwd=REPO, env=env or ENV,
+    return subprocess.run([sys.executable, "-m", "actors.cli", "run", *args], cwd=REPO, env=env or ENV,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -129,7 +129,7 @@ def test_sigterm_while_ray_starts_ends_like_any_interrupted_run(tmp_path, ray_tm
     """SIGTERM once Ray began starting its processes, or once it is up and the engines start. Before: exit
     status 15 (Ray's own handler, installed by ray.init), no "interrupted" line, Ray's processes left behind."""
     config = _replay_config(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "rollout.cli", "run", config, "--quiet"], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "run", config, "--quiet"], cwd=REPO,
                             env=dict(ENV, RAY_TMPDIR=ray_tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     seen = []
@@ -162,7 +162,7 @@ def test_repeated_ctrl_c_is_ignored_after_the_first(tmp_path, ray_tmp):
     terminal sends it): before, one landed in Ray's exit hook ("Exception ignored in atexit callback ...
     KeyboardInterrupt")."""
     config = _replay_config(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "rollout.cli", "run", config], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "run", config], cwd=REPO,
                             env=dict(ENV, RAY_TMPDIR=ray_tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     seen, sent = [], 0
@@ -197,7 +197,7 @@ def test_a_cluster_without_the_cpus_stops_after_a_bounded_wait(tmp_path, ray_tmp
     waits CLUSTER_CPU_WAIT_S, then stops with the numbers (before: it waited forever at 0 rollouts)."""
     import socket
 
-    from rollout.run import CLUSTER_CPU_WAIT_S
+    from rollout.startup import CLUSTER_CPU_WAIT_S
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

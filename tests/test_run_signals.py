@@ -45,7 +45,7 @@ def _config(tmp_path) -> str:
 
 def _run_until(config: str, sig: int, *, after: int, group: bool, resume: bool) -> tuple[int, str]:
     """Start ``tito run``, send ``sig`` once ``after`` rollouts are done (read off the progress lines)."""
-    cmd = [sys.executable, "-m", "rollout.cli", "run", config] + (["--resume"] if resume else [])
+    cmd = [sys.executable, "-m", "actors.cli", "run", config] + (["--resume"] if resume else [])
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     seen = []
@@ -83,7 +83,7 @@ def _check_consistent(out, stderr: str, name: str) -> list[dict]:
 
 
 def _resume_to_the_end(config: str, out) -> None:
-    done = subprocess.run([sys.executable, "-m", "rollout.cli", "run", config, "--resume", "--quiet"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "actors.cli", "run", config, "--resume", "--quiet"], cwd=REPO,
                           env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _on_disk(out)
@@ -121,7 +121,7 @@ def test_vllm_where_it_is_not_installed_fails_fast(tmp_path):
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed in this environment")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "rollout.cli", "run", "configs/demo.yaml", "--out", str(out), "--quiet",
+    cmd = [sys.executable, "-m", "actors.cli", "run", "configs/demo.yaml", "--out", str(out), "--quiet",
            "--set", "engine.backend=vllm"]
     done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]

@@ -25,12 +25,15 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 
+from actors.placement import RayPlacement  # noqa: E402
 from actors.renderer import NotSharedStorage, PlacedRendererService, check_shared_storage  # noqa: E402
 from rollout.config import ServeConfig, load_config  # noqa: E402
 from rollout.run import run  # noqa: E402
 from rollout.shards import read_table  # noqa: E402
 
 from ._support import http_call, tokenizer_dir  # noqa: E402
+
+RAY = RayPlacement()
 
 VOCAB = 151665
 STORE = 80 * 2**20  # object store per node: the cluster shares this machine's memory with others
@@ -111,26 +114,26 @@ def _expected_ids(tasks: int, group: int) -> set[str]:
 def test_engines_spread_renderer_on_its_node_and_shards_in_the_output_dir(cluster, engine_nodes, tmp_path):
     from actors.engine import start_engine_actors
     from actors.renderer import start_renderer_actors
-    from rollout.run import _engine_specs
+    from rollout.startup import engine_specs
 
     cfg = _run_config(tmp_path, cluster, 0.001, tasks=3)
     driver_node = ray.get_runtime_context().get_node_id()
-    engines = start_engine_actors(_engine_specs(cfg, cfg.model))
+    engines = start_engine_actors(engine_specs(cfg.engine, cfg.model))
     renderers = start_renderer_actors(1, cfg.model, num_cpus=cfg.renderer.num_cpus,
                                       resources=dict(cfg.renderer.resources), out_dir=str(tmp_path / "probe"))
     try:
-        engine_at = [ray.get(e.health.remote())["node_id"] for e in engines]
-        renderer_at = ray.get(renderers[0].node_id.remote())
+        engine_at = [ray.get(e.actor.health.remote())["node_id"] for e in engines]
+        renderer_at = ray.get(renderers[0].actor.node_id.remote())
     finally:
-        for actor in engines + renderers:
-            ray.kill(actor)
+        for handle in engines + renderers:
+            ray.kill(handle.actor)
     assert sorted(engine_at) == sorted(n.node_id for n in engine_nodes)  # one engine per engine node
     assert renderer_at == cluster.renderer_node.node_id != driver_node
     assert not list((tmp_path / "probe").glob(".tito-shared-probe-*"))  # the probe is removed after the check
 
     # the whole run with that placement: every rollout once, in output.dir (this machine's disk is the
     # "shared storage" the renderer node writes to)
-    summary = run(cfg, progress=False)
+    summary = run(cfg, RAY, progress=False)
     firsts = _first_segments(tmp_path / "out")
     assert summary["rollouts"] == 6 and summary["errors"] == 0
     assert sorted(firsts) == sorted(_expected_ids(3, 2))
@@ -171,7 +174,7 @@ def test_node_removed_mid_run_loses_and_duplicates_no_rollout(cluster, engine_no
 
     def target() -> None:
         try:
-            result["summary"] = run(cfg, progress=False)
+            result["summary"] = run(cfg, RAY, progress=False)
         except BaseException as exc:  # handed to the test thread below
             result["error"] = exc
 
@@ -199,7 +202,7 @@ def test_serve_keeps_serving_when_an_engine_node_is_removed(cluster, engine_node
     from rollout.serve.launch import ServerThread, build_state
 
     cfg = load_config(None, _settings(tmp_path, 0.01)[:-1] + [f"ray.address={cluster.address}"], schema=ServeConfig)
-    state, actors = build_state(cfg)
+    state, actors = build_state(cfg, RAY)
     srv = ServerThread(state).start()
     try:
         status, health = http_call(srv.url + "/health")
@@ -218,8 +221,8 @@ def test_serve_keeps_serving_when_an_engine_node_is_removed(cluster, engine_node
         assert [e["ok"] for e in health["engines"]] == [False, True]
     finally:
         srv.stop()
-        for actor in actors:
+        for handle in actors:
             try:
-                ray.kill(actor)
+                ray.kill(handle.actor)
             except Exception:
                 pass

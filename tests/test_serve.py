@@ -479,10 +479,11 @@ def test_session_byte_count_tracks_the_memory_really_held():
     import random
     import tracemalloc
 
+    from rollout.handles import LocalRenderer
     from rollout.renderer_service import RendererService
     from rollout.serve.sessions import SessionManager
 
-    sm = SessionManager([RendererService(str(tokenizer_dir(QWEN)))], idle_timeout_s=900, max_sessions=100)
+    sm = SessionManager([LocalRenderer(RendererService(str(tokenizer_dir(QWEN))))], idle_timeout_s=900, max_sessions=100)
     rng = random.Random(0)
 
     async def chats(first: int, count: int) -> None:
@@ -534,7 +535,7 @@ def test_metrics_exposition(server):
 def test_engine_death_is_503_for_its_request_and_the_server_keeps_serving(server):
     state = server.state
     victim = state.fleet.engines[0]
-    ray.kill(victim)
+    ray.kill(victim.actor)
     time.sleep(0.5)
     statuses = [post(server, "/inference/v1/generate", {"token_ids": [1, 2, i], "sampling_params": {"max_tokens": 2}})
                 for i in range(4)]
@@ -564,10 +565,11 @@ def test_fleet_sticky_per_key_falls_back_to_least_loaded_and_forgets_keyless():
 
     from rollout.engines.protocol import GenerateRequest, SamplingParams
     from rollout.engines.replay import ReplayEngine
+    from rollout.handles import LocalEngine
     from rollout.serve.fleet import Fleet
 
     engines = [ReplayEngine(synthetic=True, vocab_size=100, max_model_len=512, token_delay_s=0.005) for _ in range(2)]
-    fleet = Fleet(engines, [e.info() for e in engines], overload_factor=1.5)
+    fleet = Fleet([LocalEngine(e) for e in engines], [e.info() for e in engines], overload_factor=1.5)
 
     def req(rid, n_tokens=3):
         return GenerateRequest(rid, [1, 2, 3], SamplingParams(max_tokens=n_tokens, temperature=0))
@@ -596,7 +598,7 @@ def test_tito_serve_command_starts_serves_and_stops(tmp_path, capsys):
     import subprocess
     import sys
 
-    from rollout.cli import main
+    from actors.cli import main
 
     # a config error is reported before anything starts; the server below runs its engine in-process
     assert main(["serve", "--set", "sessions.idle_timeout=3"]) == 2
@@ -609,7 +611,7 @@ def test_tito_serve_command_starts_serves_and_stops(tmp_path, capsys):
                       f"  options: {{synthetic: true, vocab_size: {VOCAB}, max_model_len: 256}}\nengine_in_process: true\n"
                       f"ray:\n  num_cpus: 1\n")
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.Popen([sys.executable, "-m", "rollout.cli", "serve", str(config), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "serve", str(config), "--port", str(port)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -678,6 +680,7 @@ class FlakyEngine:
 
 
 def test_engine_failure_is_500_for_that_request_and_the_server_keeps_serving():
+    from rollout.handles import LocalEngine, LocalRenderer
     from rollout.renderer_service import RendererService
     from rollout.serve.app import ServerState
     from rollout.serve.fleet import Fleet
@@ -688,8 +691,8 @@ def test_engine_failure_is_500_for_that_request_and_the_server_keeps_serving():
     from ._support import ours
 
     engine = FlakyEngine()
-    state = ServerState(fleet=Fleet([engine], [engine.info()]),
-                        sessions=SessionManager([RendererService(str(tokenizer_dir(QWEN)))], idle_timeout_s=60,
+    state = ServerState(fleet=Fleet([LocalEngine(engine)], [engine.info()]),
+                        sessions=SessionManager([LocalRenderer(RendererService(str(tokenizer_dir(QWEN))))], idle_timeout_s=60,
                                                 max_sessions=2),
                         parser=create_renderer(ours(QWEN)), model_names=["flaky"], root="flaky")
     srv = ServerThread(state).start()

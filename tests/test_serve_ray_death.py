@@ -78,7 +78,7 @@ def test_serve_exits_when_its_ray_dies(tmp_path):
         "renderer:\n  num_cpus: 0\nray:\n  num_cpus: 1\n")
     log = tmp_path / "serve.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rollout.cli", "serve", str(config), "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "serve", str(config), "--port", str(port)],
                                 cwd=REPO, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     started: dict[int, str] = {}
     url = f"http://127.0.0.1:{port}"

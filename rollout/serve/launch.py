@@ -1,8 +1,8 @@
 """Starting the server: Ray, the engine actors, the renderer actors, then uvicorn.
 
-``build_state(cfg)`` starts (or joins) Ray and the actors exactly as ``tito run`` does and returns the
-routes' ``ServerState``; ``serve(cfg)`` runs uvicorn in the foreground (``tito serve``);
-``ServerThread`` runs it in a background thread (tests, benchmarks) and reports the bound port.
+``build_state(cfg, placement)`` starts (or joins) Ray and the actors with the start-up ``tito run`` uses
+(rollout/startup.py) and returns the routes' ``ServerState``; ``serve(cfg, placement)`` runs uvicorn in the
+foreground (``tito serve``); ``ServerThread`` runs it in a background thread (tests, benchmarks) and reports the bound port.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import startup
 from ..config import ServeConfig
 from ..engines.factory import build_backend
 from ..engines.protocol import close_backend
+from ..handles import LocalEngine
 from .app import ServerState, create_app
 from .fleet import Fleet
 from .sessions import SessionManager
@@ -32,39 +34,31 @@ def _secret(value: Any, env: str) -> str | None:
     return key or None
 
 
-def build_state(cfg: ServeConfig) -> tuple[ServerState, list[Any]]:
-    """Start the actors a serve config describes; returns the state and the actors (to kill on exit)."""
+def build_state(cfg: ServeConfig, placement: startup.Placement) -> tuple[ServerState, list[Any]]:
+    """Start the actors a serve config describes, through ``placement`` (the engines too, unless
+    ``engine_in_process``); returns the state and the actors (to kill on exit)."""
     import ray
 
-    from actors.engine import start_engine_actors
-    from actors.renderer import start_renderer_actors
-    from tito_renderers import create_renderer, load_tokenizer
-
-    from ..run import _check_engine_options, _engine_specs, _init_ray, _model_path
-
-    _check_engine_options(cfg.engine.backend, dict(cfg.engine.options))  # before anything loads
-    model_path = str(_model_path(cfg.model))
+    startup.check_engine_options(cfg.engine.backend, cfg.engine.options)  # before anything loads
+    model_path = str(startup.find_model(cfg.model))
     out_dir = cfg.output.dir
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-    specs = _engine_specs(cfg, model_path)  # type: ignore[arg-type]  # reads cfg.engine only; before Ray
-    _init_ray(cfg)  # type: ignore[arg-type]  # reads cfg.ray only
+    specs = startup.engine_specs(cfg.engine, model_path)  # before Ray: a vLLM model is converted here
+    startup.init_ray(cfg.ray)
     if cfg.engine_in_process:
         # plain backends on the server's event loop (they bind to the loop that first uses them)
-        engines = [asyncio.run(build_backend(s["kind"], s["kwargs"])) for s in specs for _ in range(s["replicas"])]
-        infos = [e.info() for e in engines]
+        backends = [asyncio.run(build_backend(s.kind, s.kwargs)) for s in specs for _ in range(s.replicas)]
+        engines = [LocalEngine(b) for b in backends]
+        infos = [b.info() for b in backends]
     else:
-        engines = start_engine_actors(specs)
-        infos = ray.get([e.start.remote() for e in engines])
-    renderer_actors = start_renderer_actors(
-        cfg.renderer.actors, model_path, num_cpus=cfg.renderer.num_cpus, resources=dict(cfg.renderer.resources),
-        renderer_name=cfg.renderer.name, template_kwargs=cfg.renderer.template_kwargs,
-        thinking_retention=cfg.renderer.thinking_retention, out_dir=out_dir, fmt=cfg.output.format,
-        rows_per_file=cfg.output.rows_per_file, model_name=cfg.served_model_name or cfg.model,
-    )
-    ray.get([r.info.remote() for r in renderer_actors])  # surface a renderer that cannot start, here
-    parser = create_renderer(load_tokenizer(model_path), name=cfg.renderer.name,
-                             thinking_retention=cfg.renderer.thinking_retention, **cfg.renderer.template_kwargs)
+        engines = placement.start_engines(specs)
+        infos = ray.get([e.actor.start.remote() for e in engines])
+    renderer_actors = placement.start_renderers(startup.RendererSpec(
+        model_path, cfg.renderer, model_name=cfg.served_model_name or cfg.model, out_dir=out_dir,
+        fmt=cfg.output.format, rows_per_file=cfg.output.rows_per_file))
+    ray.get([r.actor.info.remote() for r in renderer_actors])  # surface a renderer that cannot start, here
+    parser = startup.create_parser(cfg.renderer, model_path)
     fleet = Fleet(engines, infos, cfg.engine.overload_factor)
     sessions = SessionManager(renderer_actors, idle_timeout_s=cfg.sessions.idle_timeout_s,
                               max_sessions=cfg.sessions.max_sessions, write_samples=bool(out_dir),
@@ -104,18 +98,18 @@ def _shutdown(state: ServerState, actors: list[Any]) -> None:
         asyncio.run(finish_sessions())
         for r in state.sessions.renderers:
             try:
-                ray.get(r.close.remote(), timeout=30)
+                ray.get(r.actor.close.remote(), timeout=30)
             except Exception:
                 pass
     for actor in actors:
         try:
-            ray.kill(actor)
+            ray.kill(actor.actor)
         except Exception:  # its Ray is gone (the server exits because of it): nothing left to stop
             pass
     for engine in state.fleet.engines:
-        if not hasattr(engine.generate, "remote"):  # an in-process backend
+        if isinstance(engine, LocalEngine):  # an in-process backend
             try:
-                asyncio.run(close_backend(engine))
+                asyncio.run(close_backend(engine.backend))
             except Exception:
                 pass
 
@@ -186,7 +180,7 @@ class EngineWatch:
                 return
 
 
-def serve(cfg: ServeConfig) -> None:
+def serve(cfg: ServeConfig, placement: startup.Placement) -> None:
     """``tito serve``: run until interrupted, then write open sessions (with an output dir) and stop the actors.
     Exits with status :data:`EXIT_ENGINES_LOST` once every engine actor died (see :class:`EngineWatch`)."""
     import sys
@@ -194,7 +188,7 @@ def serve(cfg: ServeConfig) -> None:
     import uvicorn
 
     t0 = time.perf_counter()
-    state, actors = build_state(cfg)
+    state, actors = build_state(cfg, placement)
     server = uvicorn.Server(_uvicorn_config(create_app(state), cfg.server.host, cfg.server.port, cfg.server.log_level))
     threading.Thread(target=_announce_ready, args=(server, cfg.server.host, t0), daemon=True).start()
     lost: list[str] = []
@@ -205,7 +199,7 @@ def serve(cfg: ServeConfig) -> None:
               "restart the server", file=sys.stderr, flush=True)
         server.should_exit = True
 
-    ray_engines = [e for e in state.fleet.engines if hasattr(e.generate, "remote")]
+    ray_engines = [e.actor for e in state.fleet.engines if not isinstance(e, LocalEngine)]
     watch = EngineWatch(ray_engines, engines_lost).start() if ray_engines else None
     try:
         server.run()
