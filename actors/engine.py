@@ -45,6 +45,8 @@ from rollout.engines.protocol import (
 )
 from rollout.engines.streaming import stream_of
 
+from .handles import RayEngine
+
 T = TypeVar("T")
 CONTROL_GROUP = "control"
 CONTROL_CONCURRENCY = 16
@@ -235,8 +237,9 @@ def _specs(config: EngineSpec | Mapping[str, Any] | Iterable[EngineSpec | Mappin
 
 def start_engine_actors(
     config: EngineSpec | Mapping[str, Any] | Sequence[EngineSpec | Mapping[str, Any]], *, wait: bool = True
-) -> list[Any]:
-    """Start the engine actors a config describes (each spec ``replicas`` times) and return their handles in order.
+) -> list[RayEngine]:
+    """Start the engine actors a config describes (each spec ``replicas`` times) and return their typed handles
+    (actors/handles.py; ``.actor`` is the Ray actor) in order.
 
     With ``wait`` (default), block until every backend is built; a backend that fails to build raises here
     (the failed actors are killed) rather than at its first request.
@@ -260,4 +263,4 @@ def start_engine_actors(
             for h in handles:
                 ray.kill(h)
             raise
-    return handles
+    return [RayEngine(h) for h in handles]

@@ -25,6 +25,8 @@ import ray
 from rollout.renderer_service import RendererService
 from rollout.shards import STREAM
 
+from .handles import RayRenderer
+
 PROBE_PREFIX = ".tito-shared-probe-"
 
 
@@ -49,10 +51,11 @@ RendererActor = ray.remote(max_concurrency=1, max_restarts=0, enable_task_events
 
 
 def start_renderer_actors(n: int, model_path: str, *, num_cpus: float = 0.25, resources: dict[str, float] | None = None,
-                          **kwargs: Any) -> list[Any]:
+                          **kwargs: Any) -> list[RayRenderer]:
     """``n`` renderer actors writing shard streams ``train-r0``, ``train-r1``, ... into one directory
-    (``OUT/data/``). Every public method of the service is an actor method, ``flush`` included:
-    ``tito serve`` calls ``actor.flush.remote()`` after a session's ``finish`` to write it at once.
+    (``OUT/data/``), as typed handles (actors/handles.py; ``.actor`` is the Ray actor). Every public method
+    of the service is an actor method, ``flush`` included: ``tito serve`` calls ``renderer.flush()`` after a
+    session's ``finish`` to write it at once.
 
     ``num_cpus`` and ``resources`` (custom Ray resources, e.g. ``{"storage_node": 1}``) place them. With an
     ``out_dir``, each actor must see a probe file the driver writes there, else :class:`NotSharedStorage`
@@ -69,7 +72,7 @@ def start_renderer_actors(n: int, model_path: str, *, num_cpus: float = 0.25, re
             for a in actors:
                 ray.kill(a)
             raise
-    return actors
+    return [RayRenderer(a) for a in actors]
 
 
 def check_shared_storage(actors: list[Any], out_dir: str) -> None:

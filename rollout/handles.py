@@ -1,22 +1,166 @@
-"""One way to call a component whether it is a local object or a Ray actor.
+"""Typed handles on the two components a rollout talks to: a renderer service and an engine.
 
-``await call(target, "generate", request)`` runs ``target.generate.remote(request)`` on an actor
-handle, or ``target.generate(request)`` (awaited if it returns an awaitable) on a plain object. The
-rollout loop is written once against this, and the tests drive it without Ray.
+``RendererHandle`` and ``EngineHandle`` are what the rollout loop (loop.py) and ``tito serve``
+(serve/sessions.py, serve/fleet.py) call, always awaited. Each has two implementations: the in-process
+ones here wrap a plain object (a :class:`~rollout.renderer_service.RendererService`, an engine backend),
+for tests and an engine that runs inside the server; the Ray ones in actors/handles.py wrap an actor.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .engines.protocol import EngineBackend, GenerateOutput, GenerateRequest, Unsupported
+from .turns import Finished, NextPrompt, RolloutMeta, SampledTurn
+
+if TYPE_CHECKING:
+    from .renderer_service import RendererService
 
 
-async def call(target: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-    fn = getattr(target, method)
-    remote = getattr(fn, "remote", None)
-    if remote is not None:
-        return await remote(*args, **kwargs)
-    out = fn(*args, **kwargs)
-    if inspect.isawaitable(out):
-        out = await out
-    return out
+class RendererHandle(Protocol):
+    """A renderer service (rollout/renderer_service.py documents each method)."""
+
+    async def begin(self, rollout_id: str, messages: list[dict], tools: list[dict] | None) -> NextPrompt: ...
+
+    async def extend(self, rollout_id: str, turn: SampledTurn, new_messages: list[dict]) -> NextPrompt: ...
+
+    async def bridge_next(self, rollout_id: str, new_messages: list[dict], next_turn: int) -> NextPrompt: ...
+
+    async def restart(self, rollout_id: str, messages: list[dict], tools: list[dict] | None, turn: int,
+                      reason: str, detail: str) -> NextPrompt: ...
+
+    async def record_turn(self, rollout_id: str, turn: SampledTurn) -> None: ...
+
+    async def sample(self, rollout_id: str) -> dict[str, Any]: ...
+
+    async def finish(self, rollout_id: str, meta: RolloutMeta, last_turn: SampledTurn | None = None) -> int: ...
+
+    async def finish_group(self, items: list[Finished]) -> int: ...
+
+    async def discard(self, rollout_id: str) -> None: ...
+
+    async def flush(self) -> list[dict]: ...
+
+
+class EngineHandle(Protocol):
+    """An engine: the :class:`~rollout.engines.protocol.EngineBackend` calls plus what ``tito serve``'s
+    admin routes need. An engine that cannot do an admin call raises Unsupported (HTTP 501)."""
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput: ...
+
+    def generate_stream(self, request: GenerateRequest) -> AsyncIterator[Any]:
+        """StreamDelta items as the engine samples them, then the GenerateOutput."""
+        ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+    async def update_weights(self, path: str, version: int) -> None: ...
+
+    async def health(self) -> dict[str, Any]: ...
+
+    async def world_size(self) -> int: ...
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool: ...
+
+    async def sleep(self, level: int = 1) -> None: ...
+
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    async def drop_session(self, session_id: str) -> None: ...
+
+
+class LocalRenderer:
+    """A RendererService in this process: each call runs at once on the event loop's thread."""
+
+    def __init__(self, service: RendererService) -> None:
+        self.service = service
+
+    async def begin(self, rollout_id: str, messages: list[dict], tools: list[dict] | None) -> NextPrompt:
+        return self.service.begin(rollout_id, messages, tools)
+
+    async def extend(self, rollout_id: str, turn: SampledTurn, new_messages: list[dict]) -> NextPrompt:
+        return self.service.extend(rollout_id, turn, new_messages)
+
+    async def bridge_next(self, rollout_id: str, new_messages: list[dict], next_turn: int) -> NextPrompt:
+        return self.service.bridge_next(rollout_id, new_messages, next_turn)
+
+    async def restart(self, rollout_id: str, messages: list[dict], tools: list[dict] | None, turn: int,
+                      reason: str, detail: str) -> NextPrompt:
+        return self.service.restart(rollout_id, messages, tools, turn, reason, detail)
+
+    async def record_turn(self, rollout_id: str, turn: SampledTurn) -> None:
+        self.service.record_turn(rollout_id, turn)
+
+    async def sample(self, rollout_id: str) -> dict[str, Any]:
+        return self.service.sample(rollout_id)
+
+    async def finish(self, rollout_id: str, meta: RolloutMeta, last_turn: SampledTurn | None = None) -> int:
+        return self.service.finish(rollout_id, meta, last_turn)
+
+    async def finish_group(self, items: list[Finished]) -> int:
+        return self.service.finish_group(items)
+
+    async def discard(self, rollout_id: str) -> None:
+        self.service.discard(rollout_id)
+
+    async def flush(self) -> list[dict]:
+        return self.service.flush()
+
+
+class LocalEngine:
+    """An engine backend in this process. The admin calls a backend may lack: ``health`` reports ok,
+    ``world_size`` is 1, ``drop_session`` does nothing (no KV kept per session), and the others raise
+    Unsupported naming the backend."""
+
+    def __init__(self, backend: EngineBackend) -> None:
+        self.backend = backend
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        return await self.backend.generate(request)
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[Any]:
+        stream = getattr(self.backend, "generate_stream", None)
+        if stream is None:  # a backend that cannot stream: the whole output as one item
+            yield await self.backend.generate(request)
+            return
+        async for item in stream(request):
+            yield item
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.backend.abort(request_id)
+
+    async def update_weights(self, path: str, version: int) -> None:
+        await self.backend.update_weights(path, version)
+
+    async def health(self) -> dict[str, Any]:
+        if not callable(getattr(self.backend, "health", None)):
+            return {"ok": True}
+        return dict(await self._admin("health"))
+
+    async def world_size(self) -> int:
+        if not callable(getattr(self.backend, "world_size", None)):
+            return 1
+        return int(await self._admin("world_size"))
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return bool(await self._admin("reset_prefix_cache", reset_running_requests))
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._admin("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._admin("wake_up", tags)
+
+    async def drop_session(self, session_id: str) -> None:
+        if callable(getattr(self.backend, "drop_session", None)):
+            await self._admin("drop_session", session_id)
+
+    async def _admin(self, name: str, *args: Any) -> Any:
+        """The backend's optional method ``name``, sync or async; Unsupported when it has none."""
+        fn = getattr(self.backend, name, None)
+        if not callable(fn):
+            raise Unsupported(f"the {type(self.backend).__name__} engine backend cannot {name.replace('_', ' ')}")
+        out = fn(*args)
+        return await out if inspect.isawaitable(out) else out

@@ -1,7 +1,7 @@
 """The multi-turn rollout loop: render -> generate -> parse -> environment step -> bridge -> ...
 
 ``RolloutDriver`` runs G rollouts per task against engines and renderer services (local objects
-or Ray actors, through ``rollout.handles.call``), computes group advantages, and hands each finished
+or Ray actors, through the typed handles of rollout/handles.py), computes group advantages, and hands each finished
 rollout's metadata to the renderer that holds its segments, which writes the shard rows.
 
 A rollout stops when the environment says done, when the assistant's turn leaves nothing to answer
@@ -21,7 +21,6 @@ import hashlib
 import statistics
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
@@ -30,7 +29,7 @@ from tito_renderers import Renderer
 from .config import RunConfig
 from .engines.protocol import EngineInfo, GenerateRequest, SamplingParams
 from .envs.base import Environment, Task
-from .handles import call
+from .handles import EngineHandle, RendererHandle
 from .routing import StickyLeastLoaded
 from .turns import Finished, RolloutMeta, SampledTurn, Sampling
 
@@ -69,8 +68,8 @@ class RolloutDriver:
         self,
         cfg: RunConfig,
         env: Environment,
-        engines: list[Any],
-        renderers: list[Any],
+        engines: list[EngineHandle],
+        renderers: list[RendererHandle],
         engine_info: EngineInfo,
         parser: Renderer,
         on_progress: Callable[[RolloutOutcome], None] | None = None,
@@ -114,7 +113,7 @@ class RolloutDriver:
         ]
         # one call, one unit for the shard writer: a group's rows always land in the same file, so a
         # resumed run finds every group either whole or absent
-        await call(renderer, "finish_group", items)
+        await renderer.finish_group(items)
         return list(outcomes)
 
     def _advantages(self, outcomes: list[RolloutOutcome]) -> None:
@@ -130,7 +129,8 @@ class RolloutDriver:
                 adv = adv / (std + 1e-6)
             o.advantage = adv
 
-    async def _run_with_retries(self, task: Task, group_id: str, rollout_id: str, renderer: Any) -> RolloutOutcome:
+    async def _run_with_retries(self, task: Task, group_id: str, rollout_id: str,
+                                renderer: RendererHandle) -> RolloutOutcome:
         for _attempt in range(MAX_ATTEMPTS):
             async with self.limit:
                 try:
@@ -138,7 +138,7 @@ class RolloutDriver:
                         self.run_rollout(task, group_id, rollout_id, renderer), self.cfg.rollout_timeout_s
                     )
                 except EngineDied:
-                    await call(renderer, "discard", rollout_id)
+                    await renderer.discard(rollout_id)
                     self.reruns += 1
                     continue
                 except TimeoutError:
@@ -160,11 +160,11 @@ class RolloutDriver:
     async def _generate(self, request: GenerateRequest, session: str):
         index = self.router.acquire(session)
         try:
-            return await call(self.engines[index], "generate", request)
+            return await self.engines[index].generate(request)
         except asyncio.CancelledError:
             # a timed-out rollout: stop the engine's work too (cancelling the wait does not reach an actor)
             with contextlib.suppress(Exception):
-                await asyncio.shield(call(self.engines[index], "abort", request.request_id))
+                await asyncio.shield(self.engines[index].abort(request.request_id))
             raise
         except Exception as exc:
             if _is_actor_death(exc):
@@ -181,12 +181,13 @@ class RolloutDriver:
         digest = hashlib.sha256(f"{base}:{rollout_id}:{turn}".encode()).digest()
         return int.from_bytes(digest[:4], "little")
 
-    async def run_rollout(self, task: Task, group_id: str, rollout_id: str, renderer: Any) -> RolloutOutcome:
+    async def run_rollout(self, task: Task, group_id: str, rollout_id: str,
+                          renderer: RendererHandle) -> RolloutOutcome:
         cfg = self.cfg
         state = self.env.reset(task)
         tools = self.env.tools
         messages = [dict(m) for m in task.messages]
-        prompt = (await call(renderer, "begin", rollout_id, messages, tools)).ids
+        prompt = (await renderer.begin(rollout_id, messages, tools)).ids
         budget = cfg.max_tokens_per_rollout
         finish = "max_turns"
         last_turn = None
@@ -227,7 +228,7 @@ class RolloutDriver:
                 break
             messages.extend(step.new_messages)
             if turn + 1 < cfg.max_turns:
-                nxt = await call(renderer, "extend", rollout_id, last_turn, step.new_messages)
+                nxt = await renderer.extend(rollout_id, last_turn, step.new_messages)
                 self.breaks += nxt.brk is not None
                 prompt = nxt.after(prompt, result.completion_ids)
                 last_turn = None

@@ -37,7 +37,8 @@ def local_ray(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def replay_actors():
-    handles = start_engine_actors([{"kind": "replay", "kwargs": REPLAY, "replicas": 2, "max_concurrency": 4}])
+    handles = [e.actor for e in start_engine_actors([{"kind": "replay", "kwargs": REPLAY, "replicas": 2,
+                                                      "max_concurrency": 4}])]
     yield handles
     for h in handles:
         ray.kill(h)
@@ -127,9 +128,10 @@ def test_embedded_actor_smollm2():
         pytest.skip(
             "SmolLM2 is not converted in the cache yet (conversion takes ~30 s; run tests/test_embedded_engine.py)"
         )
-    (actor,) = start_engine_actors(
+    (engine,) = start_engine_actors(
         {"kind": "embedded", "kwargs": {"model": str(gguf), "threads": 1, "max_batch": 4}, "num_cpus": 0.5}
     )
+    actor = engine.actor
     try:
         info = ray.get(actor.info.remote())
         assert info.backend == "embedded" and info.vocab_size == 49152

@@ -14,6 +14,7 @@ import ray.exceptions
 from rollout.engines.protocol import GenerateOutput, GenerateRequest, SamplingParams
 from rollout.engines.replay import ReplayEngine
 from rollout.engines.streaming import StreamDelta
+from rollout.handles import LocalEngine
 from rollout.serve.fleet import EngineUnavailable, Fleet
 
 VOCAB = 1000
@@ -59,7 +60,7 @@ class DyingEngine:
 
 
 def _fleet(*engines: DyingEngine) -> Fleet:
-    return Fleet(list(engines), [e.info() for e in engines])
+    return Fleet([LocalEngine(e) for e in engines], [e.info() for e in engines])
 
 
 def _request(rid: str, max_tokens: int = 4) -> GenerateRequest:

@@ -11,6 +11,7 @@ import tito_renderers as renderers
 from rollout.config import RunConfig
 from rollout.engines.replay import ReplayEngine, ReplayRecord
 from rollout.envs.calculator import CalculatorEnv
+from rollout.handles import LocalEngine, LocalRenderer
 from rollout.loop import RolloutDriver
 from rollout.renderer_service import RendererService
 from rollout.shards import read_table
@@ -41,7 +42,7 @@ def test_multi_turn_rollouts_write_exact_samples(tmp_path):
     engine = ReplayEngine(records, vocab_size=tok.vocab_size, max_model_len=4096)
     svc = RendererService(str(tokenizer_dir("qwen2.5-7b-instruct")), out_dir=str(tmp_path), rows_per_file=100)
     cfg = RunConfig(group_size=2, max_turns=4, max_tokens_per_turn=64, max_tokens_per_rollout=256)
-    driver = RolloutDriver(cfg, env, [engine], [svc], engine.info(), r)
+    driver = RolloutDriver(cfg, env, [LocalEngine(engine)], [LocalRenderer(svc)], engine.info(), r)
     outcomes = asyncio.run(driver.run([good, bad]))
     svc.close()
 
@@ -86,7 +87,7 @@ def test_context_limit_stops_cleanly_before_the_request(tmp_path):
     task = env.generate_tasks(1, seed=0)[0]
     assert len(r.render_ids(task.messages, env.tools, add_generation_prompt=True)) + 64 > 120
     cfg = RunConfig(group_size=1, max_turns=3, max_tokens_per_turn=64, max_tokens_per_rollout=128)
-    (out,) = asyncio.run(RolloutDriver(cfg, env, [engine], [svc], engine.info(), r).run([task]))
+    (out,) = asyncio.run(RolloutDriver(cfg, env, [LocalEngine(engine)], [LocalRenderer(svc)], engine.info(), r).run([task]))
     assert out.finish_reason == "context_limit" and out.turns == 0 and out.error is None
 
 
@@ -95,7 +96,7 @@ def test_a_rollout_that_times_out_is_recorded_and_its_engine_request_aborted(tmp
     env = CalculatorEnv()
     tasks = env.generate_tasks(2, seed=0)
     cfg = RunConfig(group_size=1, max_turns=2, max_tokens_per_turn=64, max_tokens_per_rollout=128, rollout_timeout_s=0.5)
-    outcomes = asyncio.run(RolloutDriver(cfg, env, [engine], [svc], engine.info(), r).run(tasks))
+    outcomes = asyncio.run(RolloutDriver(cfg, env, [LocalEngine(engine)], [LocalRenderer(svc)], engine.info(), r).run(tasks))
     assert [o.finish_reason for o in outcomes] == ["timeout", "timeout"]
     assert all("timed out after 0.5s" in o.error for o in outcomes)
     assert not engine._running, "the engine still runs the timed-out requests"
@@ -115,7 +116,7 @@ def test_progress_line_counts_rollouts_tokens_breaks_and_reward():
     bar = Progress(4, stream=out)
     tok = ours("qwen2.5-7b-instruct")
     engine = ReplayEngine(synthetic=True, vocab_size=tok.vocab_size)
-    bar.driver = RolloutDriver(RunConfig(), CalculatorEnv(), [engine], [], engine.info(), renderers.create_renderer(tok))
+    bar.driver = RolloutDriver(RunConfig(), CalculatorEnv(), [LocalEngine(engine)], [], engine.info(), renderers.create_renderer(tok))
     bar.driver.breaks = 1  # one of the four turns below was re-rendered
     bar(RolloutOutcome("r0", "t", "t", "env_done", reward=1.0, turns=2, completion_tokens=10))
     bar(RolloutOutcome("r1", "t", "t", "error", reward=0.0, turns=2, completion_tokens=6, error="x"))

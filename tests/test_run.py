@@ -119,7 +119,7 @@ def test_engine_killed_mid_run_loses_and_duplicates_nothing(tmp_path):
     assert len(outcomes) == 8 and all(o.error is None for o in outcomes)
     firsts = [r["rollout_id"] for r in _rows(tmp_path / "out") if r["segment_index"] == 0]
     assert sorted(firsts) == sorted(o.rollout_id for o in outcomes) and len(set(firsts)) == 8
-    ray.kill(engines[1])
+    ray.kill(engines[1].actor)
 
 
 def _old_layout(out, cfg, files: dict[str, list[dict]]) -> None:

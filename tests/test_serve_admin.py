@@ -61,7 +61,7 @@ def generate(srv, prompt: list[int], max_tokens: int = 8, **extra):
 
 def engine_rss(srv) -> list[int]:
     """Each engine actor process's resident set, in bytes (the actors run on this machine)."""
-    pids = ray.get([e.__ray_call__.remote(lambda self: os.getpid()) for e in srv.state.fleet.engines])
+    pids = ray.get([e.actor.__ray_call__.remote(lambda self: os.getpid()) for e in srv.state.fleet.engines])
     out = []
     for pid in pids:
         with open(f"/proc/{pid}/status") as f:
@@ -278,7 +278,7 @@ def test_wake_up_reloads_the_last_updated_weights_not_the_base_model(model_path,
 
 def engines_holding(srv, session_id: str) -> int:
     """How many engines keep session KV for ``session_id`` (read inside each engine actor)."""
-    return sum(ray.get([e.__ray_call__.remote(lambda self, sid=session_id: sid in self._backend.sessions)
+    return sum(ray.get([e.actor.__ray_call__.remote(lambda self, sid=session_id: sid in self._backend.sessions)
                         for e in srv.state.fleet.engines]))
 
 

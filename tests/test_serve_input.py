@@ -25,6 +25,7 @@ MAX_LEN = 1024
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from rollout.engines.replay import ReplayEngine
+    from rollout.handles import LocalEngine, LocalRenderer
     from rollout.renderer_service import RendererService
     from rollout.serve.app import ServerState
     from rollout.serve.fleet import Fleet
@@ -36,8 +37,8 @@ def server(tmp_path_factory):
     engines = [ReplayEngine(synthetic=True, vocab_size=VOCAB, max_model_len=MAX_LEN, token_delay_s=0.002)
                for _ in range(2)]
     service = RendererService(str(tokenizer_dir(QWEN)), out_dir=str(out), rows_per_file=1024)
-    state = ServerState(fleet=Fleet(engines, [e.info() for e in engines]),
-                        sessions=SessionManager([service], idle_timeout_s=600, max_sessions=100, write_samples=True),
+    state = ServerState(fleet=Fleet([LocalEngine(e) for e in engines], [e.info() for e in engines]),
+                        sessions=SessionManager([LocalRenderer(service)], idle_timeout_s=600, max_sessions=100, write_samples=True),
                         parser=create_renderer(ours(QWEN)), model_names=["qwen-test"], root="qwen-test",
                         default_max_tokens=16)
     srv = ServerThread(state).start()

@@ -24,6 +24,7 @@ MSGS = [{"role": "user", "content": "Write one sentence about the sea."}]
 @pytest.fixture(scope="module")
 def server():
     from rollout.engines.replay import ReplayEngine
+    from rollout.handles import LocalEngine, LocalRenderer
     from rollout.renderer_service import RendererService
     from rollout.serve.app import ServerState
     from rollout.serve.fleet import Fleet
@@ -36,8 +37,8 @@ def server():
     # Ray actor in test_serve_embedded.py::test_openai_sdk_stream_from_the_engine_actor
     engine = ReplayEngine(synthetic=True, vocab_size=ours(SMOLLM2).vocab_size, max_model_len=1024,
                           token_delay_s=0.001)
-    state = ServerState(fleet=Fleet([engine], [engine.info()]),
-                        sessions=SessionManager([RendererService(gguf)], idle_timeout_s=600, max_sessions=100),
+    state = ServerState(fleet=Fleet([LocalEngine(engine)], [engine.info()]),
+                        sessions=SessionManager([LocalRenderer(RendererService(gguf))], idle_timeout_s=600, max_sessions=100),
                         parser=create_renderer(ours(SMOLLM2)), model_names=["smol"], root=gguf)
     srv = ServerThread(state).start()
     yield srv

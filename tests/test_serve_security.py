@@ -30,6 +30,7 @@ FORBIDDEN = "weight_dir is not under the directory this server loads weights fro
 
 def start(max_len: int, **state_kwargs):
     from rollout.engines.replay import ReplayEngine
+    from rollout.handles import LocalEngine, LocalRenderer
     from rollout.renderer_service import RendererService
     from rollout.serve.app import ServerState
     from rollout.serve.fleet import Fleet
@@ -38,8 +39,8 @@ def start(max_len: int, **state_kwargs):
     from tito_renderers import create_renderer
 
     engine = ReplayEngine(synthetic=True, vocab_size=VOCAB, max_model_len=max_len, token_delay_s=0.001)
-    state = ServerState(fleet=Fleet([engine], [engine.info()]),
-                        sessions=SessionManager([RendererService(str(tokenizer_dir(QWEN)))], idle_timeout_s=600,
+    state = ServerState(fleet=Fleet([LocalEngine(engine)], [engine.info()]),
+                        sessions=SessionManager([LocalRenderer(RendererService(str(tokenizer_dir(QWEN))))], idle_timeout_s=600,
                                                 max_sessions=100),
                         parser=create_renderer(ours(QWEN)), model_names=["qwen-test"], root="qwen-test",
                         default_max_tokens=4, **state_kwargs)

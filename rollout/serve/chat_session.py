@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engines.protocol import GenerateResult
-from ..handles import call
 from .schemas import ChatBody
 from .sessions import Prepared, Session
 from .state import ServerState
@@ -78,7 +77,7 @@ async def discard_new(state: ServerState, s: Session) -> None:
     if state.sessions.sessions.get(s.id) is s:
         del state.sessions.sessions[s.id]
     if s.prompt_ids:  # its renderer began the rollout
-        await call(s.renderer, "discard", s.id)
+        await s.renderer.discard(s.id)
 
 
 async def end_session(state: ServerState, s: Session, reason: str, *, how: str, locked: bool = False,
@@ -93,7 +92,7 @@ async def end_session(state: ServerState, s: Session, reason: str, *, how: str, 
             return 0
         rows = await state.sessions.close(s.id, reason)
         if flush and rows and state.sessions.write_samples:
-            await call(s.renderer, "flush")
+            await s.renderer.flush()
     finally:
         if not locked:
             s.lock.release()

@@ -1,8 +1,7 @@
 """The engines behind the server: sticky least-loaded routing, aborts, pause/resume, weight updates and the
 admin calls fanned out over every live engine (prefix-cache reset, sleep / wake_up, world size).
 
-``Fleet`` holds engine handles (Ray actors, or plain backends in tests: calls go through
-``rollout.handles.call``) and routes each request with :class:`rollout.routing.StickyLeastLoaded`:
+``Fleet`` holds engine handles (rollout/handles.py: Ray actors, or backends in this process) and routes each request with :class:`rollout.routing.StickyLeastLoaded`:
 a session (or a ``cache_salt``) stays on the engine that holds its KV until that engine is
 overloaded, then moves to the least loaded one. A request with neither key goes to the least loaded
 engine and its routing entry is forgotten at once, so one-off request ids do not pile up.
@@ -16,10 +15,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import msgspec
-
-from ..engines.protocol import EngineInfo, GenerateOutput, GenerateRequest, Unsupported
-from ..handles import call
+from ..engines.protocol import EngineInfo, GenerateOutput, GenerateRequest
+from ..handles import EngineHandle
 from ..routing import StickyLeastLoaded
 
 
@@ -50,7 +47,7 @@ class Fleet:
     """Engines with routing. ``generate`` waits while paused; ``update_weights`` pauses, drains the
     requests in flight, updates every engine and resumes, so each result comes from one weight version."""
 
-    def __init__(self, engines: list[Any], infos: list[EngineInfo], overload_factor: float = 1.5) -> None:
+    def __init__(self, engines: list[EngineHandle], infos: list[EngineInfo], overload_factor: float = 1.5) -> None:
         if not engines or len(engines) != len(infos):
             raise ValueError("need one EngineInfo per engine, and at least one engine")
         self.engines = engines
@@ -67,7 +64,6 @@ class Fleet:
         self._drained = asyncio.Event()
         self._drained.set()
         self._update_lock = asyncio.Lock()
-        self._encode = msgspec.json.Encoder().encode
         self._abandoned: set[asyncio.Future] = set()  # results of requests whose caller went away
         self.on_abandoned: Callable[[GenerateOutput], None] | None = None
         self.sleep_level = 0  # 0: awake; else the level of POST /sleep (requests are refused with 503)
@@ -100,7 +96,7 @@ class Fleet:
             rid = request.request_id
             t0 = time.perf_counter()
             engine = self.engines[index]
-            running = asyncio.ensure_future(self._call_generate(engine, request))
+            running = asyncio.ensure_future(engine.generate(request))
             try:
                 out = await asyncio.shield(running)
                 return out, time.perf_counter() - t0, index
@@ -108,7 +104,7 @@ class Fleet:
                 # cancelling the wait does not reach an actor: tell the engine to stop this request, and
                 # collect what it returns (finish_reason "abort") so the metrics see how it ended
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(call(self.engines[index], "abort", rid))
+                    await asyncio.shield(engine.abort(rid))
                 self._abandoned.add(asyncio.ensure_future(self._collect(running)))
                 raise
             except Exception as exc:
@@ -157,7 +153,7 @@ class Fleet:
 
     async def generate_stream(self, request: GenerateRequest, key: str | None = None) -> AsyncIterator[Any]:
         """``generate`` token by token: StreamDelta items as the engine samples them (an engine without
-        ``generate_stream`` gives none), then ``(output, engine call seconds, engine index)``. Closing or
+        stream gives none), then ``(output, engine call seconds, engine index)``. Closing or
         cancelling the iteration before the output aborts the request on its engine. An engine that dies
         before its first item is replaced as in ``generate``; after it, the stream fails with EngineUnavailable
         (the client already holds tokens of that attempt)."""
@@ -167,7 +163,7 @@ class Fleet:
             rid = request.request_id
             engine = self.engines[index]
             t0 = time.perf_counter()
-            items = self._stream_from(engine, request)
+            items = engine.generate_stream(request)
             started = finished = False
             try:
                 async for item in items:
@@ -180,7 +176,7 @@ class Fleet:
             except BaseException as exc:
                 if not finished and isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
                     with contextlib.suppress(Exception):
-                        await asyncio.shield(call(engine, "abort", rid))
+                        await asyncio.shield(engine.abort(rid))
                 if not (isinstance(exc, Exception) and is_actor_death(exc)):
                     raise
                 self._engine_died(index, exc)
@@ -190,25 +186,6 @@ class Fleet:
                 with contextlib.suppress(BaseException):
                     await items.aclose()
                 self._release(index, rid, route, key)
-
-    async def _stream_from(self, engine: Any, request: GenerateRequest) -> AsyncIterator[Any]:
-        gs = getattr(engine, "generate_stream", None)
-        if gs is None:
-            yield await self._call_generate(engine, request)
-        elif hasattr(gs, "remote"):  # an EngineActor: a Ray streaming generator over msgspec JSON bytes
-            refs = gs.options(num_returns="streaming").remote(self._encode(request))
-            async for ref in refs:
-                yield await ref
-        else:
-            async for item in gs(request):
-                yield item
-
-    async def _call_generate(self, engine: Any, request: GenerateRequest) -> GenerateOutput:
-        if hasattr(engine.generate, "remote"):
-            # an EngineActor gets msgspec JSON bytes (its generate decodes them strictly): cheaper through
-            # Ray than a pickled Struct
-            return await engine.generate.remote(self._encode(request))
-        return await call(engine, "generate", request)
 
     async def _collect(self, running: asyncio.Future, timeout_s: float = 60.0) -> None:
         try:
@@ -224,7 +201,7 @@ class Fleet:
         """Abort running requests (their results come back with finish_reason "abort"); returns the ids
         that were running. Unknown ids are ignored, as vLLM does."""
         targets = [(rid, self.where[rid]) for rid in request_ids if rid in self.where]
-        done = await asyncio.gather(*(call(self.engines[i], "abort", rid) for rid, i in targets),
+        done = await asyncio.gather(*(self.engines[i].abort(rid) for rid, i in targets),
                                     return_exceptions=True)
         return [rid for (rid, _), ok in zip(targets, done) if ok is True]
 
@@ -251,7 +228,7 @@ class Fleet:
         self.router.forget(key)
         if index is not None and index not in self.dead:
             with contextlib.suppress(Exception):  # a dead engine holds nothing any more
-                await self._admin(self.engines[index], "drop_session", key)
+                await self.engines[index].drop_session(key)
 
     async def update_weights(self, weight_dir: str, version: int | None = None) -> int:
         """Pause (waiting for the running requests), load ``weight_dir`` on every live engine, resume
@@ -267,7 +244,7 @@ class Fleet:
             await self.pause("wait")
             try:
                 live = [e for i, e in enumerate(self.engines) if i not in self.dead]
-                await asyncio.gather(*(call(e, "update_weights", weight_dir, version) for e in live))
+                await asyncio.gather(*(e.update_weights(weight_dir, version) for e in live))
                 self.weight_version = version
                 for info in self.infos:
                     info.weight_version = version
@@ -278,21 +255,12 @@ class Fleet:
 
     # ---- admin over every live engine ------------------------------------------------------------------
 
-    def _live(self) -> list[Any]:
+    def _live(self) -> list[EngineHandle]:
         return [e for i, e in enumerate(self.engines) if i not in self.dead]
-
-    async def _admin(self, engine: Any, name: str, *args: Any) -> Any:
-        """``engine.name(*args)``; Unsupported (501) when an in-process backend has no such method (an
-        EngineActor raises it itself)."""
-        if not hasattr(engine.generate, "remote") and not callable(getattr(engine, name, None)):
-            backend = type(engine).__name__
-            raise Unsupported(f"the {backend} engine backend cannot {name.replace('_', ' ')}")
-        return await call(engine, name, *args)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Every live engine drops its cached KV (session KV, vLLM's prefix cache). True when all did."""
-        done = await asyncio.gather(*(self._admin(e, "reset_prefix_cache", reset_running_requests)
-                                      for e in self._live()))
+        done = await asyncio.gather(*(e.reset_prefix_cache(reset_running_requests) for e in self._live()))
         return all(bool(d) for d in done)
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
@@ -313,11 +281,11 @@ class Fleet:
                     await self.abort(list(self.where))
                 await self._drained.wait()
                 live = self._live()
-                done = await asyncio.gather(*(self._admin(e, "sleep", level) for e in live), return_exceptions=True)
+                done = await asyncio.gather(*(e.sleep(level) for e in live), return_exceptions=True)
                 failed = [d for d in done if isinstance(d, BaseException)]
                 if failed:
                     slept = [e for e, d in zip(live, done) if not isinstance(d, BaseException)]
-                    await asyncio.gather(*(self._admin(e, "wake_up", None) for e in slept), return_exceptions=True)
+                    await asyncio.gather(*(e.wake_up(None) for e in slept), return_exceptions=True)
                     raise failed[0]
             except BaseException:
                 self.sleep_level = 0
@@ -328,30 +296,24 @@ class Fleet:
         async with self._update_lock:
             if not self.sleep_level:
                 return
-            await asyncio.gather(*(self._admin(e, "wake_up", tags) for e in self._live()))
+            await asyncio.gather(*(e.wake_up(tags) for e in self._live()))
             self.sleep_level = 0
 
     async def world_size(self) -> int:
         """The inference workers behind the fleet (what TRL and SkyRL size their NCCL group by): the sum of
         each engine's (vLLM: tensor x pipeline x data parallel; 1 for one-process backends)."""
         if self._world_size is None:
-            async def one(e: Any) -> int:
-                if hasattr(e.generate, "remote") or callable(getattr(e, "world_size", None)):
-                    return int(await call(e, "world_size"))
-                return 1
-
-            self._world_size = sum(await asyncio.gather(*(one(e) for e in self.engines)))
+            self._world_size = sum(await asyncio.gather(*(e.world_size() for e in self.engines)))
         return self._world_size
 
     async def health(self, timeout_s: float = 5.0) -> list[dict]:
         """Each engine's health report (``ok`` False for a dead or unresponsive one)."""
 
-        async def one(i: int, engine: Any) -> dict:
+        async def one(i: int, engine: EngineHandle) -> dict:
             if i in self.dead:
                 return {"ok": False, "engine": i, "error": "dead"}
             try:
-                probe = getattr(engine, "health", None)
-                report = await asyncio.wait_for(call(engine, "health"), timeout_s) if probe else {"ok": True}
+                report = await asyncio.wait_for(engine.health(), timeout_s)
                 return {"engine": i, **dict(report)}
             except Exception as exc:
                 if is_actor_death(exc):  # gone for good: route nothing more to it

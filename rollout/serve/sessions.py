@@ -33,7 +33,7 @@ from typing import Any
 
 from tito_renderers import MessageError, normalize_messages
 
-from ..handles import call
+from ..handles import RendererHandle
 from ..turns import RolloutMeta, SampledTurn, SegmentBreak
 from .schemas import BadRequest
 
@@ -66,7 +66,7 @@ class SessionLimit(RuntimeError):
 @dataclass
 class Session:
     id: str
-    renderer: Any
+    renderer: RendererHandle
     messages: list[dict] = field(default_factory=list)  # the last call's messages (normalized)
     tools: list[dict] | None = None
     prompt_ids: list[int] = field(default_factory=list)  # the last call's prompt
@@ -129,7 +129,7 @@ def _first_difference(a: list[dict], b: list[dict]) -> int:
 
 
 class SessionManager:
-    def __init__(self, renderers: list[Any], *, idle_timeout_s: float, max_sessions: int,
+    def __init__(self, renderers: list[RendererHandle], *, idle_timeout_s: float, max_sessions: int,
                  write_samples: bool = False, max_idle_bytes: int | None = None) -> None:
         if not renderers:
             raise ValueError("need at least one renderer service")
@@ -170,7 +170,7 @@ class SessionManager:
         if msgs[-1]["role"] == "assistant":
             raise MessageError("the last message is an assistant message: nothing to answer")
         if not s.prompt_ids:  # a new session
-            prepared = Prepared((await call(s.renderer, "begin", s.id, msgs, tools)).ids, "first")
+            prepared = Prepared((await s.renderer.begin(s.id, msgs, tools)).ids, "first")
         elif s.assistant is None:  # the previous turn was never sampled (an engine error, a disconnect)
             if msgs == s.messages and tools == s.tools:
                 prepared = Prepared(s.prompt_ids, "retry")
@@ -184,7 +184,7 @@ class SessionManager:
             n = len(s.messages)
             extends = len(msgs) > n and msgs[:n] == s.messages and _same_assistant(msgs[n], s.assistant)
             if extends:
-                nxt = await call(s.renderer, "bridge_next", s.id, msgs[n + 1:], s.turn)
+                nxt = await s.renderer.bridge_next(s.id, msgs[n + 1:], s.turn)
                 prompt = nxt.after(s.prompt_ids, s.last_completion)
                 prepared = Prepared(prompt, "bridged") if nxt.brk is None else Prepared(prompt, "break", nxt.brk)
             else:
@@ -203,13 +203,13 @@ class SessionManager:
 
     async def _restart(self, s: Session, msgs: list[dict], tools: list[dict] | None, reason: str,
                        detail: str) -> Prepared:
-        nxt = await call(s.renderer, "restart", s.id, msgs, tools, s.turn, reason, detail)
+        nxt = await s.renderer.restart(s.id, msgs, tools, s.turn, reason, detail)
         return Prepared(nxt.ids, "break", nxt.brk)
 
     async def record(self, s: Session, completion_ids: list[int], logprobs: list[float] | None,
                      weight_version: int, assistant: dict) -> None:
         """Record a sampled turn (trainable tokens + logprobs) and what the client was answered."""
-        await call(s.renderer, "record_turn", s.id, SampledTurn(s.turn, completion_ids, logprobs, weight_version, assistant))
+        await s.renderer.record_turn(s.id, SampledTurn(s.turn, completion_ids, logprobs, weight_version, assistant))
         s.assistant = assistant
         s.last_completion = list(completion_ids)
         s.turn += 1
@@ -217,7 +217,7 @@ class SessionManager:
 
     async def sample(self, session_id: str) -> dict:
         s = self.sessions[session_id]
-        out = await call(s.renderer, "sample", session_id)
+        out = await s.renderer.sample(session_id)
         out.update(session_id=session_id, turns=s.turn, bridged_turns=s.bridged)
         return out
 
@@ -231,8 +231,8 @@ class SessionManager:
         if self.write_samples:
             meta = RolloutMeta(task_id=session_id, group_id=session_id, finish_reason=reason,
                                messages=[*s.messages, *([s.assistant] if s.assistant else [])])
-            return await call(s.renderer, "finish", session_id, meta)
-        await call(s.renderer, "discard", session_id)
+            return await s.renderer.finish(session_id, meta)
+        await s.renderer.discard(session_id)
         return 0
 
     async def evict_over_budget(self) -> list[str]:
