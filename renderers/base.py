@@ -7,20 +7,18 @@ turns that into ``render``, ``parse_response`` and the append-only ``bridge``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+from .dialects import Dialect, dialect_named
+from .dialects.json_calls import parse_json_call
 from .long_pieces import new_pieces
-from .messages import MessageError, normalize_messages, normalize_tools
+from .messages import MessageError, normalize_messages, normalize_tools, tool_names
 from .pieces import Pieces, PieceWriter
 from .scan import prompt_opens_reasoning, scan_ids
 from .tokenizer import Tokenizer
 from .types import Break, BreakReason, Bridged, Capabilities, ParsedResponse, RenderedTokens, ToolCall, ToolCallStatus
-
-if TYPE_CHECKING:
-    from .dialects import Dialect
 
 THINKING_RETENTION = ("keep", "template")
 # Every reasoning_effort value any template uses, in order. A template that distinguishes only some of
@@ -281,7 +279,7 @@ class Renderer:
             dialect = self._dialect()
             if dialect is not None:
                 return dialect.parse(completion_ids, tools, prompt_ids=prompt_ids, stop_ids=self.stop_token_ids)
-        tool_names = _tool_names(normalize_tools(tools))
+        names = tool_names(normalize_tools(tools))
         ids = list(completion_ids)
         scan = scan_ids(
             ids,
@@ -292,7 +290,7 @@ class Renderer:
         )
         calls = []
         for start, end, closed in scan.calls:
-            call = self._parse_call(ids[start + 1 : end - 1 if closed else end], (start, end), tool_names)
+            call = self._parse_call(ids[start + 1 : end - 1 if closed else end], (start, end), names)
             if not closed:
                 call.status, call.error = ToolCallStatus.UNCLOSED, "the completion ended inside this tool call"
             calls.append(call)
@@ -301,8 +299,6 @@ class Renderer:
     def _dialect(self) -> Dialect | None:
         """The dialect named by :attr:`dialect` on this tokenizer, or None where the vocabulary lacks its
         markers (then the base scan parses)."""
-        from .dialects import dialect_named
-
         return dialect_named(self.dialect, self.tokenizer) if self.dialect else None
 
     def _parse_call(self, body_ids: list[int], span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
@@ -331,49 +327,3 @@ def bridged(prompt: list[int], completion: list[int], closing: list[int], tail: 
     )
     return Bridged(prefix_len=len(prompt) + len(completion), appended=appended, synthesized=n, prev_prompt_ids=prompt,
                    prev_completion_ids=completion)
-
-
-def _tool_names(tools: list[dict] | None) -> set[str] | None:
-    if not tools:
-        return None
-    return {t.get("function", t).get("name") for t in tools}
-
-
-def parse_json_call(raw: str, span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
-    """A ``{"name": ..., "arguments": {...}}`` tool call body, with a status instead of an exception.
-
-    Arguments that arrive double-encoded (a JSON string holding an object) are decoded once, a
-    failure mode of real models; anything else that is not an object is ``invalid_arguments``.
-    """
-    text = raw.strip()
-    try:
-        obj = json.loads(text)
-    except ValueError as exc:
-        return ToolCall(None, None, ToolCallStatus.INVALID_JSON, span, raw, f"not JSON: {exc}")
-    if not isinstance(obj, dict):
-        return ToolCall(
-            None, None, ToolCallStatus.NOT_AN_OBJECT, span, raw, f"expected an object, got {type(obj).__name__}"
-        )
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "no string 'name' field")
-    return checked_call(name, obj.get("arguments", obj.get("parameters", {})), span, raw, tool_names)
-
-
-def checked_call(name: str, args: Any, span: tuple[int, int], raw: str, tool_names: set[str] | None) -> ToolCall:
-    """A named call's decoded arguments, checked: arguments that arrive double-encoded (a JSON string
-    holding an object, a failure mode of real models) are decoded once; anything else that is not an
-    object is ``invalid_arguments``; a name not among ``tool_names`` is ``unknown_tool``."""
-    if isinstance(args, str):
-        try:
-            decoded = json.loads(args)
-        except ValueError:
-            decoded = None
-        if isinstance(decoded, dict):
-            args = decoded
-    if not isinstance(args, dict):
-        error = f"arguments must be an object, got {type(args).__name__}"
-        return ToolCall(name, None, ToolCallStatus.INVALID_ARGUMENTS, span, raw, error)
-    if tool_names is not None and name not in tool_names:
-        return ToolCall(name, args, ToolCallStatus.UNKNOWN_TOOL, span, raw, f"no tool named {name!r} was offered")
-    return ToolCall(name, args, ToolCallStatus.OK, span, raw)

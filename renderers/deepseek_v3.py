@@ -26,28 +26,21 @@ rendering it anyway:
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .base import Renderer, TemplateRejected, _tool_names, checked_call
+from .base import Renderer, TemplateRejected
 from .deepseek_r1_distill import OUTPUT_BEGIN, OUTPUT_END, OUTPUTS_BEGIN, OUTPUTS_END
-from .messages import normalize_tools
+from .dialects.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, EOS, TOOL_SEP, parse_deepseek_call
+from .messages import normalize_tools, tool_names
 from .pieces import PieceWriter
 from .scan import scan_ids
 from .tokenizer import Tokenizer
 from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCall, ToolCallStatus
 
 BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
-CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
-CALLS_END = "<｜tool▁calls▁end｜>"
-CALL_BEGIN = "<｜tool▁call▁begin｜>"
-CALL_END = "<｜tool▁call▁end｜>"
-TOOL_SEP = "<｜tool▁sep｜>"
 THINK = ("<think>", "</think>")
 
 
@@ -183,7 +176,7 @@ class _DeepSeekBase(Renderer):
         begin, the block's ``<｜tool▁calls▁end｜>``, a stop id or the end of the completion first is
         ``unclosed``. ``<｜tool▁calls▁begin｜>``/``<｜tool▁calls▁end｜>`` and the text between calls inside
         the block are structure, not content. Anything after a stop id is ignored."""
-        tool_names = _tool_names(normalize_tools(tools))
+        names = tool_names(normalize_tools(tools))
         ids = list(completion_ids)
         scan = scan_ids(
             ids,
@@ -196,7 +189,7 @@ class _DeepSeekBase(Renderer):
         )
         calls = []
         for start, end, closed in scan.calls:
-            call = self._parse_call(ids[start + 1 : end - 1 if closed else end], (start, end), tool_names)
+            call = self._parse_call(ids[start + 1 : end - 1 if closed else end], (start, end), names)
             if not closed:
                 call.status, call.error = ToolCallStatus.UNCLOSED, "the tool call has no <｜tool▁call▁end｜>"
             calls.append(call)
@@ -204,44 +197,6 @@ class _DeepSeekBase(Renderer):
 
     def _parse_call(self, body_ids: list[int], span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
         return parse_deepseek_call(self.tokenizer.decode, self._sep_id, body_ids, span, tool_names)
-
-
-def parse_deepseek_call(
-    decode: Callable[[list[int]], str],
-    sep_id: int,
-    body_ids: list[int],
-    span: tuple[int, int],
-    tool_names: set[str] | None,
-    v31: bool = False,
-) -> ToolCall:
-    """``TYPE<｜tool▁sep｜>NAME\\n```json\\nARGS\\n``` `` between the call markers (V3, R1). The fence is
-    optional (bare JSON after the name line is accepted); the type before the separator is not checked.
-
-    ``v31``: also DeepSeek-V3.1's ``NAME<｜tool▁sep｜>ARGS`` (no type, no fence), taken when the text
-    after the separator starts with ``{`` (a V3 name line never does)."""
-    raw = decode(body_ids)
-    if sep_id not in body_ids:
-        return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "no <｜tool▁sep｜> before the function name")
-    cut = body_ids.index(sep_id)
-    rest = decode(body_ids[cut + 1 :])
-    if v31 and rest.lstrip().startswith("{"):
-        name, args_text = decode(body_ids[:cut]).strip(), rest
-    else:
-        name, _, args_text = rest.partition("\n")
-        name = name.strip()
-    if not name:
-        return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "empty function name after <｜tool▁sep｜>")
-    args_text = args_text.strip()
-    if args_text.startswith("```"):
-        newline = args_text.find("\n")
-        if newline < 0 or not args_text.endswith("```") or len(args_text) - 3 < newline:
-            return ToolCall(name, None, ToolCallStatus.INVALID_JSON, span, raw, "the ```json fence is not closed")
-        args_text = args_text[newline + 1 : -3]
-    try:
-        args = json.loads(args_text)
-    except ValueError as exc:
-        return ToolCall(name, None, ToolCallStatus.INVALID_JSON, span, raw, f"arguments are not JSON: {exc}")
-    return checked_call(name, args, span, raw, tool_names)
 
 
 class DeepSeekV3Renderer(_DeepSeekBase):

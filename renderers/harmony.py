@@ -21,7 +21,8 @@ What the template does that matters for token identity (each mirrored below):
 - a tool result names the function of the last tool call (reset by a final answer);
 - system messages after the first are not rendered.
 
-``parse_response`` and ``bridge`` live in :mod:`renderers.harmony_parse`.
+Parsing scans messages by token ids (:mod:`renderers.dialects.harmony`, the Harmony dialect this
+renderer holds as ``grammar``); the bridge below extends the sampled tokens with the same scan.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from .base import Renderer, TemplateRejected
-from .harmony_parse import HarmonyParsing
+from .base import Renderer, TemplateRejected, bridged
+from .dialects.harmony import FUNCTIONS_PREFIX, Harmony, HarmonyMessage
 from .json_text import tojson
-from .pieces import PieceWriter
+from .pieces import Pieces, PieceWriter
 from .tokenizer import Tokenizer
+from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCallStatus
 
 DEFAULT_IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
 BUILTIN_TOOLS = ("browser", "python")
@@ -259,7 +261,7 @@ def functions_namespace(tools: list[dict]) -> str:
 # ---- the renderer ------------------------------------------------------------------------------
 
 
-class HarmonyRenderer(HarmonyParsing, Renderer):
+class HarmonyRenderer(Renderer):
     """gpt-oss-20b / gpt-oss-120b (the Hugging Face chat template, Harmony format).
 
     Template kwargs: ``reasoning_effort`` (low / medium / high; default medium; other
@@ -287,7 +289,7 @@ class HarmonyRenderer(HarmonyParsing, Renderer):
     def __init__(self, tokenizer: Tokenizer, *, thinking_retention: str = "keep", **template_kwargs: Any) -> None:
         super().__init__(tokenizer, thinking_retention=thinking_retention, **template_kwargs)
         self.current_date = datetime.datetime.now().strftime("%Y-%m-%d")
-        self._init_parsing()
+        self.grammar = Harmony(tokenizer)  # the message scan that parsing and the bridge share
 
     def check_template_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         out = super().check_template_kwargs(kwargs)
@@ -341,10 +343,6 @@ class HarmonyRenderer(HarmonyParsing, Renderer):
         self._messages(p, msgs, start, None, last_is_training=not add_generation_prompt)
         if add_generation_prompt:
             self._generation_prompt(p)
-
-    def _continue(self, p, msgs, tools):
-        self._messages(p, msgs, 0, self._bridge_call_name, last_is_training=False)
-        self._generation_prompt(p)
 
     def _generation_prompt(self, p: PieceWriter) -> None:
         p.special("<|start|>")
@@ -417,3 +415,151 @@ class HarmonyRenderer(HarmonyParsing, Renderer):
         p.scaffold("<|start|>functions.", i)
         p.text(function, i, content=False)
         p.wrapped(" to=assistant<|channel|>commentary<|message|>", tojson(m["content"]), "<|end|>", i)
+
+    # ---- parse_response ------------------------------------------------------------------------
+
+    def parse_response(
+        self, completion_ids: list[int], prompt_ids: list[int] | None = None, tools: Any = None
+    ) -> ParsedResponse:
+        """As :meth:`renderers.dialects.harmony.Harmony.parse_response`."""
+        return self.grammar.parse_response(completion_ids, prompt_ids, tools)
+
+    # ---- bridge --------------------------------------------------------------------------------
+
+    def _bridge(
+        self, prev_prompt_ids: list[int], prev_completion_ids: list[int], new_messages: Any, tools: Any
+    ) -> Bridged | Break:
+        """Append-only, as the base class, with three Harmony specifics:
+
+        - a completion cut off before its close gets the close of the message it was in synthesized:
+          ``<|call|>`` inside a tool call, ``<|end|>`` elsewhere (the template's close of any
+          message that is not the last of a training render);
+        - a tool result is named after the completion's tool call (``functions.NAME``), as the
+          template names it after the last call; without one (a final answer, a truncated reply, a
+          built-in tool) the template has no name: ``Break(TEMPLATE_ERROR)``;
+        - with ``thinking_retention="keep"`` (default) the sampled tokens stay as sampled: a final
+          answer keeps its ``<|return|>`` and its analysis, where the template would re-render
+          ``<|end|>`` and drop the analysis. With ``"template"``: ``Break(TEMPLATE_REWRITES_HISTORY)``
+          wherever the template would re-render the turn differently (see ``_family_break``).
+        """
+        prefix_len = len(prev_prompt_ids) + len(prev_completion_ids)
+        checked = self._new_messages(new_messages, tools, prefix_len)
+        if isinstance(checked, Break):
+            return checked
+        msgs, tool_defs = checked
+        completion = list(prev_completion_ids)
+        tail = self.grammar.open_tail(prev_prompt_ids)
+        messages, _, _ = self.grammar.scan_messages(tail + completion)
+        closing = self._closing(messages, tail, completion)
+        last = (closing or completion or prev_prompt_ids or [None])[-1]
+        if last not in self.tokenizer.special_ids:
+            return Break(
+                BreakReason.NO_SPECIAL_TOKEN_ANCHOR, "the previous tokens do not end on a special token", prefix_len
+            )
+        brk = self._family_break(prev_prompt_ids, completion + closing, msgs)
+        if brk is not None:
+            return brk
+        name, why = self._call_name(messages, tail, completion)
+        if name is None and any(m["role"] == "tool" for m in msgs):
+            return Break(
+                BreakReason.TEMPLATE_ERROR,
+                f"a tool result needs the function of the previous tool call, and {why}",
+                prefix_len,
+            )
+        p = Pieces(self.tokenizer)
+        try:  # the new messages, a tool result named after this completion's call (passed, not kept)
+            self._messages(p, msgs, 0, name, last_is_training=False)
+        except ValueError as exc:
+            return Break(BreakReason.TEMPLATE_ERROR, str(exc), prefix_len)
+        self._generation_prompt(p)
+        return bridged(prev_prompt_ids, completion, closing, p.encode())
+
+    def _closing(self, messages: list[HarmonyMessage], tail: list[int], completion: list[int]) -> list[int]:
+        """The close to synthesize after a completion that did not end on one (nothing when the last
+        message is closed)."""
+        if completion and completion[-1] in self.grammar.close_ids:
+            return []
+        if not messages or messages[-1].close is not None:
+            return []
+        open_message = messages[-1]
+        return [self.grammar.call_id if self.grammar.header(open_message).recipient else self.grammar.end_id]
+
+    def _call_name(
+        self, messages: list[HarmonyMessage], tail: list[int], completion: list[int]
+    ) -> tuple[str | None, str]:
+        """The function the completion called (its last tool call), or None and why not."""
+        for m in reversed(messages):
+            if m.end <= len(tail):
+                break
+            head = self.grammar.header(m)
+            if head.recipient is None or head.role not in ("", "assistant") or head.recipient == "assistant":
+                continue
+            if not head.recipient.startswith(FUNCTIONS_PREFIX):
+                return None, f"the previous completion called {head.recipient!r}, which the template cannot name"
+            name = head.recipient[len(FUNCTIONS_PREFIX) :]
+            if not name:
+                return None, "the previous completion's tool call has no function name"
+            return name, ""
+        return None, "the previous completion made no tool call (a final answer resets the template's last call)"
+
+    def _family_break(self, prompt_ids: list[int], sampled: list[int], msgs: list[dict]) -> Break | None:
+        """``thinking_retention="template"``: a Break when the template would re-render tokens already in
+        the prefix: this turn (``sampled``: the completion and any synthesized close), rendered from its
+        parsed message, must come out identical; and a final answer must not follow analysis of an
+        earlier tool-call turn, which the template then drops."""
+        if self.thinking_retention != "template":
+            return None
+        tail = self.grammar.open_tail(prompt_ids)
+        turn_start = len(prompt_ids) - len(tail)
+        parsed = self.parse_response(sampled, prompt_ids)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning_content:
+            message["reasoning_content"] = parsed.reasoning_content
+        calls = [c for c in parsed.tool_calls if c.status is ToolCallStatus.OK]
+        if calls:
+            message["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        p = Pieces(self.tokenizer)
+        try:
+            self._assistant(p, message, 0, last=False, future_final=False, last_call=None)
+        except TemplateRejected as exc:
+            return Break(
+                BreakReason.TEMPLATE_REWRITES_HISTORY,
+                f"the gpt-oss template cannot re-render this turn: {exc}",
+                turn_start,
+            )
+        expected = p.encode().token_ids
+        turn = tail + sampled
+        if expected != turn:
+            diff = next(
+                (i for i, (a, b) in enumerate(zip(expected, turn, strict=False)) if a != b),
+                min(len(expected), len(turn)),
+            )
+            if self.grammar.return_id in sampled:
+                why = "re-renders a final answer closed by <|end|> instead of the sampled <|return|>, without its analysis"
+            else:
+                dec = self.tokenizer.decode
+                why = f"re-renders this turn as {dec(expected[diff : diff + 8])!r} where the model sampled {dec(turn[diff : diff + 8])!r}"
+            return Break(BreakReason.TEMPLATE_REWRITES_HISTORY, f"the gpt-oss template {why}", turn_start + diff)
+        if not calls:
+            pos = self._analysis_since_last_final(prompt_ids, turn_start)
+            if pos is not None:
+                return Break(
+                    BreakReason.TEMPLATE_REWRITES_HISTORY,
+                    "a final answer makes the gpt-oss template drop the analysis of the tool-call turns before it",
+                    pos,
+                )
+        return None
+
+    def _analysis_since_last_final(self, prompt_ids: list[int], end: int) -> int | None:
+        """Position of an analysis message after the prompt's last final answer (scans back to it only)."""
+        decode = self.tokenizer.decode
+        found = None
+        for pos in range(end - 1, -1, -1):
+            if prompt_ids[pos] != self.grammar.channel_id:
+                continue
+            channel = decode(prompt_ids[pos + 1 : pos + 3]).lstrip()
+            if channel.startswith("final"):
+                break
+            if channel.startswith("analysis"):
+                found = pos
+        return found

@@ -14,14 +14,14 @@ Each method mirrors a branch of its template, including Jinja's treatment of a m
 
 from __future__ import annotations
 
-import ast
-import re
 from datetime import datetime
 from typing import Any
 
-from .base import Renderer, TemplateRejected, _tool_names, parse_json_call
+from .base import Renderer, TemplateRejected
+from .dialects.json_calls import parse_json_call
+from .dialects.llama3_json import JSON_CALL_START, python_tag_call
 from .json_text import tojson
-from .messages import MessageError, normalize_tools
+from .messages import MessageError, normalize_tools, tool_names
 from .pieces import Pieces, PieceWriter
 from .tokenizer import Tokenizer
 from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCall, ToolCallStatus
@@ -38,12 +38,6 @@ USER_TOOLS_INTRO = (
     'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
     "Do not use variables.\n\n"
 )
-# Meta's builtin tools: a call to one of them is never an unknown tool, whatever `tools` lists.
-BUILTIN_TOOLS = frozenset({"brave_search", "wolfram_alpha", "code_interpreter"})
-# The precise rule for a plain (no <|python_tag|>) tool call: the whole content is a JSON object whose
-# first key is "name", as the template renders calls. Other JSON answers stay content.
-_JSON_CALL_START = re.compile(r'\s*\{\s*"name"\s*:')
-_BUILTIN_CALL = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.call\((.*)\)", re.S)
 
 
 class LlamaHeaders(Renderer):
@@ -281,7 +275,7 @@ class Llama31Renderer(LlamaHeaders):
         """Content, and at most one tool call: ``<|python_tag|>`` and what follows it up to the stop (a
         JSON call, a builtin ``name.call(k="v")`` or, as Meta's format has it, code for
         ``code_interpreter``), or a content that is one JSON object whose first key is ``"name"``."""
-        tool_names = _tool_names(normalize_tools(tools))
+        names = tool_names(normalize_tools(tools))
         ids = list(completion_ids)
         end, stop = len(ids), None
         for i, tid in enumerate(ids):
@@ -294,11 +288,11 @@ class Llama31Renderer(LlamaHeaders):
         if self.python_tag_id in ids[:end]:
             k = ids.index(self.python_tag_id)
             content = decode(ids[:k]).strip()
-            calls.append(python_tag_call(decode(ids[k + 1 : end]), (k, call_end), tool_names))
+            calls.append(python_tag_call(decode(ids[k + 1 : end]), (k, call_end), names))
         else:
             content = decode(ids[:end])
-            if _JSON_CALL_START.match(content):
-                calls.append(parse_json_call(content, (0, call_end), tool_names))
+            if JSON_CALL_START.match(content):
+                calls.append(parse_json_call(content, (0, call_end), names))
                 content = ""
             content = content.strip()
         if calls and stop is None:
@@ -320,47 +314,3 @@ class Llama32Renderer(Llama31Renderer):
     def __init__(self, tokenizer: Tokenizer, **kwargs: Any) -> None:
         super().__init__(tokenizer, **kwargs)
         self.default_date = datetime.now().strftime("%d %b %Y")  # the template's strftime_now("%d %b %Y")
-
-
-def python_tag_call(raw: str, span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
-    """What follows ``<|python_tag|>``: a JSON call, a builtin ``name.call(k="v")``, or (Meta's format) code
-    for ``code_interpreter``. Also the Llama 3 JSON dialect's (renderers/dialects/llama3_json.py)."""
-    body = raw.strip()
-    if body.startswith("{"):
-        return parse_json_call(raw, span, tool_names)
-    if not body:
-        return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "nothing follows <|python_tag|>")
-    m = _BUILTIN_CALL.fullmatch(body)
-    if m is None:  # Meta's format: bare code after <|python_tag|> is a code_interpreter call
-        name, args, error = "code_interpreter", {"code": body}, _python_error(body)
-    else:
-        name = m.group(1)
-        args, error = _call_keywords(m.group(2))
-    if error is not None:
-        return ToolCall(name, args, ToolCallStatus.INVALID_ARGUMENTS, span, raw, error)
-    if tool_names is not None and name not in tool_names and name not in BUILTIN_TOOLS:
-        return ToolCall(name, args, ToolCallStatus.UNKNOWN_TOOL, span, raw, f"no tool named {name!r} was offered")
-    return ToolCall(name, args, ToolCallStatus.OK, span, raw)
-
-
-def _python_error(code: str) -> str | None:
-    try:
-        ast.parse(code)
-    except (SyntaxError, ValueError) as exc:
-        return f"not valid Python code: {exc}"
-    return None
-
-
-def _call_keywords(source: str) -> tuple[dict | None, str | None]:
-    """``k="v", n=2`` -> ({"k": "v", "n": 2}, None), or (None, error) when it is not keyword literals."""
-    try:
-        call = ast.parse(f"f({source})", mode="eval").body
-    except (SyntaxError, ValueError) as exc:
-        return None, f"the builtin call's arguments are not Python keyword arguments: {exc}"
-    assert isinstance(call, ast.Call)
-    if call.args or any(kw.arg is None for kw in call.keywords):
-        return None, "a builtin call takes keyword arguments only"
-    try:
-        return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}, None
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
-        return None, f"a builtin call argument is not a literal: {exc}"

@@ -13,10 +13,10 @@ import json
 from bisect import bisect_right
 from typing import Any
 
-from .base import _tool_names, parse_json_call
+from .dialects.json_calls import parse_json_call
 from .json_text import tojson
 from .llama3 import LlamaHeaders
-from .messages import normalize_tools
+from .messages import normalize_tools, tool_names
 from .pieces import PieceWriter
 from .tokenizer import Tokenizer
 from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCall, ToolCallStatus
@@ -168,7 +168,7 @@ class NemotronSuperRenderer(LlamaHeaders):
         calls of each ``<TOOLCALL>[...]</TOOLCALL>`` block (a JSON list of ``{"name", "arguments"}``; every
         call of a block has the block's token span). These markers are text in this vocabulary, so
         they are found in the decoded completion and mapped back to token positions."""
-        tool_names = _tool_names(normalize_tools(tools))
+        names = tool_names(normalize_tools(tools))
         ids = list(completion_ids)
         end, stop = len(ids), None
         for i, tid in enumerate(ids):
@@ -187,7 +187,7 @@ class NemotronSuperRenderer(LlamaHeaders):
         elif text.lstrip().startswith("<think>"):
             reasoning, complete, offset = text.lstrip()[len("<think>") :].strip(), False, len(text)
         locate = _TokenLocator(self.tokenizer, body, text)
-        content, calls = _toolcall_blocks(text, offset, locate, tool_names, stop is not None)
+        content, calls = _toolcall_blocks(text, offset, locate, names, stop is not None)
         return ParsedResponse(
             content=content.strip(),
             reasoning_content=reasoning,

@@ -149,3 +149,11 @@ def normalize_tools(tools: Any) -> list[dict] | None:
         if not _is_mapping(function) or not isinstance(function.get("name"), str):
             raise MessageError(f"tools[{j}] has no function name")
     return [dict(t) for t in tools] or None
+
+
+def tool_names(tools: list[dict] | None) -> set[str] | None:
+    """The function names of normalized tool definitions (:func:`normalize_tools`); None without tools,
+    which a parser reads as "any name is accepted"."""
+    if not tools:
+        return None
+    return {t.get("function", t).get("name") for t in tools}

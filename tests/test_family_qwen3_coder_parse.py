@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import tito_renderers as renderers
 from tito_renderers import ToolCallStatus
-from tito_renderers.qwen3_coder import Qwen3CoderRenderer, coerce_arguments, function_schemas, parse_xml_call, type_call
+from tito_renderers.dialects.xml_calls import coerce_arguments, function_schemas, parse_xml_call, type_call
+from tito_renderers.qwen3_coder import Qwen3CoderRenderer
 
 from ._support import ours
 from .test_family_qwen3_coder import CODER_TOOLS, FAMILY, TOK, _typed, ids

@@ -19,8 +19,8 @@ The contract (one subclass of :class:`Dialect` per format, one module per family
   each call body goes to ``parse_call`` (or ``parse_block`` where one block holds several calls) and
   gets a status, its token span and raw text; arguments of formats that carry them as text
   (``string_arguments``) are typed by the offered tools' JSON schemas as Qwen3-Coder's are
-  (:func:`renderers.qwen3_coder.type_call`); JSON formats go through
-  :func:`renderers.base.checked_call`. It never raises on any id sequence. The dialect's own markers
+  (:func:`renderers.dialects.xml_calls.type_call`); JSON formats go through
+  :func:`renderers.dialects.json_calls.checked_call`. It never raises on any id sequence. The dialect's own markers
   (``think``, ``call``, ``section``) are never stops, whatever ``stop_ids`` says. In a block cut off
   before its close marker, the last call is ``unclosed`` (with ``several_per_block``, only when its own
   structure is incomplete: MiniMax's invokes close themselves).
@@ -36,12 +36,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from ..base import _tool_names
-from ..messages import normalize_tools
-from ..qwen3_coder import function_schemas, type_call
+from ..messages import normalize_tools, tool_names
 from ..scan import Scan, prompt_opens_reasoning, scan_ids
 from ..tokenizer import Tokenizer
 from ..types import ParsedResponse, ToolCall, ToolCallStatus
+from .xml_calls import function_schemas, type_call
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ class Offered:
     @classmethod
     def of(cls, tools: Any) -> Offered:
         defs = normalize_tools(tools)
-        return cls(_tool_names(defs), function_schemas(defs))
+        return cls(tool_names(defs), function_schemas(defs))
 
 
 def _pair(added: dict[str, int], names: tuple[str, str] | None) -> tuple[int, int] | None:

@@ -17,9 +17,9 @@ import math
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from ..base import checked_call
 from ..types import ParsedResponse, ToolCall, ToolCallStatus
 from . import Dialect, Offered, register
+from .json_calls import checked_call
 
 QUOTE = '<|"|>'
 CHANNEL_NAME = "thought"  # the only channel the template writes; the block's first line names it

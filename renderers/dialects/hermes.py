@@ -5,11 +5,11 @@ vocabulary with either marker pair."""
 
 from __future__ import annotations
 
-from ..base import parse_json_call
-from ..qwen3_coder import parse_xml_call
 from ..tokenizer import Tokenizer
 from ..types import ToolCall
 from . import Dialect, Offered, register
+from .json_calls import parse_json_call
+from .xml_calls import parse_xml_call
 
 _XML_OPEN = "<function="
 

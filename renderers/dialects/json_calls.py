@@ -1,17 +1,58 @@
-"""Several ``{"name": ..., "arguments": {...}}`` JSON calls in one run of text: a JSON array of them
-(Mistral's ``[TOOL_CALLS][...]``, Nemotron Nano v2's ``<TOOLCALL>[...]</TOOLCALL>``) or objects one
-after another, separated by whitespace, ``,`` or ``;`` (Llama 3 fine-tunes). Shared by those
-dialects; each call is checked by :func:`renderers.base.parse_json_call` (double-encoded arguments
-decoded once, non-objects invalid, unoffered names unknown) and gets its own token span."""
+"""JSON tool calls: one ``{"name": ..., "arguments": {...}}`` body (:func:`parse_json_call`), a named call's
+decoded arguments (:func:`checked_call`, which every JSON-carrying format ends in), and several calls in
+one run of text (:func:`json_calls`): a JSON array of them (Mistral's ``[TOOL_CALLS][...]``, Nemotron Nano
+v2's ``<TOOLCALL>[...]</TOOLCALL>``) or objects one after another, separated by whitespace, ``,`` or
+``;`` (Llama 3 fine-tunes). Each call gets a status instead of an exception, and its own token span."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
-from ..base import parse_json_call
 from ..types import ToolCall, ToolCallStatus
 from . import token_index_at
+
+
+def parse_json_call(raw: str, span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
+    """A ``{"name": ..., "arguments": {...}}`` tool call body, with a status instead of an exception.
+
+    Arguments that arrive double-encoded (a JSON string holding an object) are decoded once, a
+    failure mode of real models; anything else that is not an object is ``invalid_arguments``.
+    """
+    text = raw.strip()
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        return ToolCall(None, None, ToolCallStatus.INVALID_JSON, span, raw, f"not JSON: {exc}")
+    if not isinstance(obj, dict):
+        return ToolCall(
+            None, None, ToolCallStatus.NOT_AN_OBJECT, span, raw, f"expected an object, got {type(obj).__name__}"
+        )
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "no string 'name' field")
+    return checked_call(name, obj.get("arguments", obj.get("parameters", {})), span, raw, tool_names)
+
+
+def checked_call(name: str, args: Any, span: tuple[int, int], raw: str, tool_names: set[str] | None) -> ToolCall:
+    """A named call's decoded arguments, checked: arguments that arrive double-encoded (a JSON string
+    holding an object, a failure mode of real models) are decoded once; anything else that is not an
+    object is ``invalid_arguments``; a name not among ``tool_names`` is ``unknown_tool``."""
+    if isinstance(args, str):
+        try:
+            decoded = json.loads(args)
+        except ValueError:
+            decoded = None
+        if isinstance(decoded, dict):
+            args = decoded
+    if not isinstance(args, dict):
+        error = f"arguments must be an object, got {type(args).__name__}"
+        return ToolCall(name, None, ToolCallStatus.INVALID_ARGUMENTS, span, raw, error)
+    if tool_names is not None and name not in tool_names:
+        return ToolCall(name, args, ToolCallStatus.UNKNOWN_TOOL, span, raw, f"no tool named {name!r} was offered")
+    return ToolCall(name, args, ToolCallStatus.OK, span, raw)
+
 
 _DECODER = json.JSONDecoder()
 _SEPARATORS = " \t\r\n,;"

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 
-from ..base import checked_call
 from ..types import ToolCall, ToolCallStatus
 from . import Dialect, Offered, register
+from .json_calls import checked_call
 
 SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 CALL = ("<|tool_call_begin|>", "<|tool_call_end|>")

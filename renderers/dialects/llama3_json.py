@@ -2,7 +2,7 @@
 generic renderer): a reply that is ``{"name": ..., "parameters"/"arguments": {...}}`` JSON (several
 objects in a row, separated by whitespace, ``,`` or ``;``, or one JSON array of them, as fine-tunes
 emit parallel calls), optionally after ``<|python_tag|>``, whose builtin ``name.call(k="v")`` and
-code forms read as in Meta's own format (:func:`renderers.llama3.python_tag_call`). The format has no
+code forms read as in Meta's own format (:func:`python_tag_call`, which Meta's renderer parses with too). The format has no
 call markers, so the rule is Meta's: the whole reply (after the tag) must be the calls; any other JSON
 answer is content. No reasoning channel.
 
@@ -12,17 +12,23 @@ those markers say.
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from ..llama3 import _JSON_CALL_START, python_tag_call
 from ..types import ParsedResponse, ToolCall, ToolCallStatus
 from . import Dialect, Offered, register
-from .json_calls import json_calls
+from .json_calls import json_calls, parse_json_call
 
 PYTHON_TAG = "<|python_tag|>"
+# Meta's builtin tools: a call to one of them is never an unknown tool, whatever `tools` lists.
+BUILTIN_TOOLS = frozenset({"brave_search", "wolfram_alpha", "code_interpreter"})
+# The precise rule for a plain (no <|python_tag|>) tool call: the whole content is a JSON object whose
+# first key is "name", as the template renders calls. Other JSON answers stay content.
+JSON_CALL_START = re.compile(r'\s*\{\s*"name"\s*:')
 _ARRAY_CALL_START = re.compile(r'\s*\[\s*\{\s*"name"\s*:')
+_BUILTIN_CALL = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.call\((.*)\)", re.S)
 
 
 @register
@@ -60,7 +66,7 @@ class Llama3Json(Dialect):
                 calls = [python_tag_call(decode(body), (k, call_end), offered.names)]
         else:
             text = decode(ids[:end])
-            if _JSON_CALL_START.match(text) or _ARRAY_CALL_START.match(text):
+            if JSON_CALL_START.match(text) or _ARRAY_CALL_START.match(text):
                 array = text.lstrip()[0] == "["
                 calls = json_calls(decode, ids[:end], (0, call_end), offered.names, array=array, body_start=0)
                 content = ""
@@ -73,3 +79,46 @@ class Llama3Json(Dialect):
             content=content, reasoning_content=None, tool_calls=calls, reasoning_complete=None, stop_token_id=stop
         )
 
+
+def python_tag_call(raw: str, span: tuple[int, int], tool_names: set[str] | None) -> ToolCall:
+    """What follows ``<|python_tag|>``: a JSON call, a builtin ``name.call(k="v")``, or (Meta's format) code
+    for ``code_interpreter``."""
+    body = raw.strip()
+    if body.startswith("{"):
+        return parse_json_call(raw, span, tool_names)
+    if not body:
+        return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "nothing follows <|python_tag|>")
+    m = _BUILTIN_CALL.fullmatch(body)
+    if m is None:  # Meta's format: bare code after <|python_tag|> is a code_interpreter call
+        name, args, error = "code_interpreter", {"code": body}, _python_error(body)
+    else:
+        name = m.group(1)
+        args, error = _call_keywords(m.group(2))
+    if error is not None:
+        return ToolCall(name, args, ToolCallStatus.INVALID_ARGUMENTS, span, raw, error)
+    if tool_names is not None and name not in tool_names and name not in BUILTIN_TOOLS:
+        return ToolCall(name, args, ToolCallStatus.UNKNOWN_TOOL, span, raw, f"no tool named {name!r} was offered")
+    return ToolCall(name, args, ToolCallStatus.OK, span, raw)
+
+
+def _python_error(code: str) -> str | None:
+    try:
+        ast.parse(code)
+    except (SyntaxError, ValueError) as exc:
+        return f"not valid Python code: {exc}"
+    return None
+
+
+def _call_keywords(source: str) -> tuple[dict | None, str | None]:
+    """``k="v", n=2`` -> ({"k": "v", "n": 2}, None), or (None, error) when it is not keyword literals."""
+    try:
+        call = ast.parse(f"f({source})", mode="eval").body
+    except (SyntaxError, ValueError) as exc:
+        return None, f"the builtin call's arguments are not Python keyword arguments: {exc}"
+    assert isinstance(call, ast.Call)
+    if call.args or any(kw.arg is None for kw in call.keywords):
+        return None, "a builtin call takes keyword arguments only"
+    try:
+        return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}, None
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
+        return None, f"a builtin call argument is not a literal: {exc}"

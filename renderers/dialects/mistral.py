@@ -20,11 +20,10 @@ import json
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from ..base import checked_call
 from ..scan import prompt_opens_reasoning, scan_ids
 from ..types import ParsedResponse, ToolCall, ToolCallStatus
 from . import Dialect, Offered, register
-from .json_calls import json_calls
+from .json_calls import checked_call, json_calls
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
