@@ -16,6 +16,7 @@ from typing import Any
 
 from . import startup
 from .config import RunConfig
+from .handles import EngineHandle, RendererHandle
 from .loop import RolloutDriver, RolloutOutcome
 from .outputs import check_resume, complete_groups, drop_groups, remove_temporaries, write_failure, write_outputs
 from .progress import Progress, ready_line, startup_line
@@ -202,8 +203,8 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
     if cpu_note:
         bar.note(cpu_note)
     signals: list[int] = []
-    engines: list[Any] = []
-    renderer_actors: list[Any] = []
+    engines: list[EngineHandle] = []
+    renderer_actors: list[RendererHandle] = []
     driver: RolloutDriver | None = None
     rinfo = {"renderer": parser.name, "template_sha256": parser.template_sha256}
     startup_s = wall_s = 0.0
@@ -217,11 +218,11 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
             if not local_ray:
                 startup.wait_for_cluster_cpus(cfg, engine_cpus, bar.note)
             engines = placement.start_engines(startup.engine_specs(cfg.engine, model_path, engine_cpus))
-            infos = ray.get([e.actor.start.remote() for e in engines])
+            infos = placement.engine_infos(engines)
             renderer_actors = placement.start_renderers(startup.RendererSpec(
                 model_path, cfg.renderer, model_name=cfg.model, out_dir=str(out_dir), fmt=cfg.output.format,
                 rows_per_file=cfg.output.rows_per_file, flush_interval_s=cfg.output.flush_interval_s))
-            rinfo = ray.get(renderer_actors[0].actor.info.remote())
+            rinfo = placement.renderer_infos(renderer_actors[:1])[0]
             startup_s = time.perf_counter() - t0
             bar.note(ready_line(startup_s, len(engines), rinfo))
             bar.start()
@@ -237,7 +238,7 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
     with _signals_ignored():
         # flush: every finished group still pending in a renderer goes to a file now
         try:
-            closed = ray.get([r.actor.close.remote() for r in renderer_actors]) if renderer_actors else []
+            closed = placement.close_renderers(renderer_actors) if renderer_actors else []
         except Exception:
             if error is None:
                 raise
@@ -268,9 +269,7 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
         else:
             if isinstance(error, ShardWriteError):
                 error = write_failure(error, out_dir, summary=summary)
-        for actor in engines + renderer_actors:
-            with contextlib.suppress(Exception):
-                ray.kill(actor.actor)
+        placement.stop([*engines, *renderer_actors])
     if error is not None:
         raise error
     if signals:

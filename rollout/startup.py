@@ -32,6 +32,9 @@ from .shards import DATA_DIR
 if TYPE_CHECKING:
     from tito_renderers import Renderer
 
+    from .engines.protocol import EngineInfo
+    from .handles import EngineHandle, RendererHandle
+
 
 @dataclass(frozen=True)
 class RendererSpec:
@@ -49,12 +52,30 @@ class RendererSpec:
 
 
 class Placement(Protocol):
-    """Where ``tito run`` and ``tito serve`` start their actors (actors/placement.py: on Ray). Each method
-    returns the handles in order once every actor started; one that cannot start raises here."""
+    """Where ``tito run`` and ``tito serve`` start their actors, and the calls on them that only the placement
+    can make: start-up info, the renderers' last flush, stopping (actors/placement.py: on Ray). The rollout
+    loop and the routes call the handles themselves (rollout/handles.py)."""
 
-    def start_engines(self, specs: Sequence[EngineSpec]) -> list[Any]: ...
+    def start_engines(self, specs: Sequence[EngineSpec]) -> list[EngineHandle]:
+        """Each spec's ``replicas`` engines, in order, once every backend is built (else this raises)."""
+        ...
 
-    def start_renderers(self, spec: RendererSpec) -> list[Any]: ...
+    def engine_infos(self, engines: Sequence[EngineHandle]) -> list[EngineInfo]: ...
+
+    def start_renderers(self, spec: RendererSpec) -> list[RendererHandle]:
+        """``spec.renderer.actors`` renderer services, in order; one that cannot start raises here."""
+        ...
+
+    def renderer_infos(self, renderers: Sequence[RendererHandle]) -> list[dict[str, Any]]: ...
+
+    def close_renderers(self, renderers: Sequence[RendererHandle],
+                        timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """Flush and close each renderer: what ``RendererService.close`` returns (files, a write error)."""
+        ...
+
+    def stop(self, handles: Sequence[EngineHandle | RendererHandle]) -> None:
+        """Stop these actors at once; one already gone is no error."""
+        ...
 
 
 # -- preflight: fail in seconds, with the reason, before anything loads ------------------------------------

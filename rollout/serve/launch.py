@@ -18,7 +18,7 @@ from .. import startup
 from ..config import ServeConfig
 from ..engines.factory import build_backend
 from ..engines.protocol import close_backend
-from ..handles import LocalEngine
+from ..handles import EngineHandle, LocalEngine, RendererHandle
 from .app import ServerState, create_app
 from .fleet import Fleet
 from .sessions import SessionManager
@@ -34,11 +34,10 @@ def _secret(value: Any, env: str) -> str | None:
     return key or None
 
 
-def build_state(cfg: ServeConfig, placement: startup.Placement) -> tuple[ServerState, list[Any]]:
+def build_state(cfg: ServeConfig,
+                placement: startup.Placement) -> tuple[ServerState, list[EngineHandle | RendererHandle]]:
     """Start the actors a serve config describes, through ``placement`` (the engines too, unless
-    ``engine_in_process``); returns the state and the actors (to kill on exit)."""
-    import ray
-
+    ``engine_in_process``); returns the state and the actors (for ``placement.stop`` on exit)."""
     startup.check_engine_options(cfg.engine.backend, cfg.engine.options)  # before anything loads
     model_path = str(startup.find_model(cfg.model))
     out_dir = cfg.output.dir
@@ -53,11 +52,11 @@ def build_state(cfg: ServeConfig, placement: startup.Placement) -> tuple[ServerS
         infos = [b.info() for b in backends]
     else:
         engines = placement.start_engines(specs)
-        infos = ray.get([e.actor.start.remote() for e in engines])
+        infos = placement.engine_infos(engines)
     renderer_actors = placement.start_renderers(startup.RendererSpec(
         model_path, cfg.renderer, model_name=cfg.served_model_name or cfg.model, out_dir=out_dir,
         fmt=cfg.output.format, rows_per_file=cfg.output.rows_per_file))
-    ray.get([r.actor.info.remote() for r in renderer_actors])  # surface a renderer that cannot start, here
+    placement.renderer_infos(renderer_actors)  # surface a renderer that cannot start, here
     parser = startup.create_parser(cfg.renderer, model_path)
     fleet = Fleet(engines, infos, cfg.engine.overload_factor)
     sessions = SessionManager(renderer_actors, idle_timeout_s=cfg.sessions.idle_timeout_s,
@@ -84,9 +83,7 @@ def _uvicorn_config(app: Any, host: str, port: int, log_level: str) -> Any:
                           backlog=4096, timeout_keep_alive=30, use_colors=False if no_color() else None)
 
 
-def _shutdown(state: ServerState, actors: list[Any]) -> None:
-    import ray
-
+def _shutdown(state: ServerState, actors: list[EngineHandle | RendererHandle], placement: startup.Placement) -> None:
     async def finish_sessions() -> None:
         for sid in list(state.sessions.sessions):
             try:
@@ -98,14 +95,10 @@ def _shutdown(state: ServerState, actors: list[Any]) -> None:
         asyncio.run(finish_sessions())
         for r in state.sessions.renderers:
             try:
-                ray.get(r.actor.close.remote(), timeout=30)
-            except Exception:
+                placement.close_renderers([r], timeout_s=30)
+            except Exception:  # one renderer gone (or its Ray): the others still write theirs
                 pass
-    for actor in actors:
-        try:
-            ray.kill(actor.actor)
-        except Exception:  # its Ray is gone (the server exits because of it): nothing left to stop
-            pass
+    placement.stop(actors)
     for engine in state.fleet.engines:
         if isinstance(engine, LocalEngine):  # an in-process backend
             try:
@@ -135,7 +128,8 @@ class EngineWatch:
     then exits with status :data:`EXIT_ENGINES_LOST` for a supervisor to restart it, instead of answering
     503 forever. While at least one engine lives the server keeps serving on it (see Fleet)."""
 
-    def __init__(self, engines: list[Any], on_lost: Any, interval_s: float = 2.0, probe_timeout_s: float = 10.0):
+    def __init__(self, engines: list[EngineHandle], on_lost: Any, interval_s: float = 2.0,
+                 probe_timeout_s: float = 10.0):
         self.engines = engines
         self.on_lost = on_lost
         self.interval_s = interval_s
@@ -154,19 +148,20 @@ class EngineWatch:
 
     def probe(self) -> None:
         """One round: a health call to each engine not known dead; an actor death marks it dead. A slow or
-        failing probe is not a death (a busy engine is still there)."""
-        import ray
-
+        failing probe is not a death (a busy engine is still there). Runs on this thread's own event loop."""
         from .fleet import is_actor_death
 
-        live = [i for i in range(len(self.engines)) if i not in self.dead]
-        refs = {i: self.engines[i].health.remote() for i in live}
-        for i, ref in refs.items():
+        async def health(i: int) -> None:
             try:
-                ray.get(ref, timeout=self.probe_timeout_s)
+                await asyncio.wait_for(self.engines[i].health(), self.probe_timeout_s)
             except Exception as exc:
                 if is_actor_death(exc):
                     self.dead.add(i)
+
+        async def every_live_engine() -> None:
+            await asyncio.gather(*(health(i) for i in range(len(self.engines)) if i not in self.dead))
+
+        asyncio.run(every_live_engine())
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -199,7 +194,7 @@ def serve(cfg: ServeConfig, placement: startup.Placement) -> None:
               "restart the server", file=sys.stderr, flush=True)
         server.should_exit = True
 
-    ray_engines = [e.actor for e in state.fleet.engines if not isinstance(e, LocalEngine)]
+    ray_engines = [e for e in state.fleet.engines if not isinstance(e, LocalEngine)]
     watch = EngineWatch(ray_engines, engines_lost).start() if ray_engines else None
     try:
         server.run()
@@ -208,7 +203,7 @@ def serve(cfg: ServeConfig, placement: startup.Placement) -> None:
     finally:
         if watch is not None:
             watch.stop()
-        _shutdown(state, actors)
+        _shutdown(state, actors, placement)
     if lost:
         raise SystemExit(EXIT_ENGINES_LOST)
 
