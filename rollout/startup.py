@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from .config import EngineConfig, RayConfig, RendererConfig, StartupConfig
 from .engines.factory import DEFAULT_RESOURCES, EngineSpec, backend_class
-from .shards import DATA_DIR
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # pydantic and the shards' pyarrow load only where a command runs: `tito --version` stays quick
     from tito_renderers import Renderer
 
+    from .config import EngineConfig, RayConfig, RendererConfig, StartupConfig
     from .engines.protocol import EngineInfo
     from .handles import EngineHandle, RendererHandle
 
@@ -130,6 +129,8 @@ def check_output_dir(out_dir: Path) -> None:
     file, a path under a file, a place nobody can write (``/proc``, a read-only mount, an immutable
     directory). A probe file is created and removed where the run's first file or directory will go
     (the directory itself, its ``data/``, or the nearest existing parent); nothing else is written."""
+    from .shards import DATA_DIR
+
     where = f"output.dir {out_dir}"
     probe_in = out_dir
     try:

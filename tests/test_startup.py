@@ -1,0 +1,67 @@
+"""The start-up shared by ``tito run`` and ``tito serve``, and the floor it stands on: rollout/ never imports
+actors/ (the Ray placement comes down from actors/cli.py), and only run and serve need one."""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+from pathlib import Path
+
+from actors.placement import RayPlacement
+from rollout.config import load_config
+from rollout.startup import Placement, engine_specs, signals_deferred
+
+ROLLOUT = Path(__file__).resolve().parent.parent / "rollout"
+
+
+def _public(cls: type) -> set[str]:
+    return {name for name in vars(cls) if not name.startswith("_")}
+
+
+def test_rollout_never_imports_actors_not_even_for_a_type_hint():
+    found = []
+    for path in sorted(ROLLOUT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            found += [f"{path.relative_to(ROLLOUT.parent)}:{node.lineno} {n}" for n in names
+                      if n == "actors" or n.startswith("actors.")]
+    assert found == []
+
+
+def test_ray_placement_has_exactly_the_placement_methods():
+    assert _public(RayPlacement) == _public(Placement)
+
+
+def test_run_and_serve_need_a_placement_the_other_commands_none(capsys):
+    from rollout.cli import main
+
+    for command in ("run", "serve"):
+        assert main([command, "--set", "model=x"] if command == "serve" else [command, "x.yaml"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tito {command}: error: {command} starts Ray actors: run it as `tito {command}`"), err
+    assert main(["pull", "no-such-model"]) == 2  # asks for no placement: its own error
+    assert capsys.readouterr().err.startswith("tito pull: error: unknown model alias")
+
+
+def test_engine_specs_come_from_the_engine_section_alone():
+    cfg = load_config(None, ["engine.backend=replay", "engine.count=3", "engine.options.synthetic=true",
+                             "engine.resources.big=1"])
+    (spec,) = engine_specs(cfg.engine, "/m", num_cpus=0.5)
+    assert (spec.kind, spec.replicas, spec.num_cpus, dict(spec.kwargs)) == ("replay", 3, 0.5, {"synthetic": True})
+    assert spec.resources() == {"num_cpus": 0.5, "num_gpus": 0.0} and dict(spec.custom_resources) == {"big": 1}
+
+
+def test_a_signal_while_ray_starts_goes_to_the_handler_in_place_once_it_is_up():
+    got: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, _frame: got.append(signum))
+    try:
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pthread_sigmask(signal.SIG_BLOCK, [])  # a point where a handler would run
+            assert got == []  # noted, not handled, while "Ray starts"
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
