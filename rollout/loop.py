@@ -48,6 +48,7 @@ class RolloutOutcome(msgspec.Struct):
     reward: float = 0.0
     components: dict[str, float] = msgspec.field(default_factory=dict)
     messages: list[dict] = msgspec.field(default_factory=list)
+    unsent: int | None = None  # how many of the last messages the renderer never got; None: a failed rollout
     turns: int = 0
     completion_tokens: int = 0
     error: str | None = None
@@ -105,7 +106,10 @@ class RolloutDriver:
         sampling = Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
         items = [
             Finished(o.rollout_id, RolloutMeta(
-                task_id=o.task_id, group_id=o.group_id, finish_reason=o.finish_reason, messages=o.messages,
+                task_id=o.task_id, group_id=o.group_id, finish_reason=o.finish_reason,
+                # the renderer holds the conversation up to the last turn: only what it never got is sent
+                messages=o.messages if o.unsent is None else None,
+                unsent_messages=o.messages[len(o.messages) - o.unsent:] if o.unsent else [],
                 reward=o.reward, reward_components=o.components, advantage=o.advantage, error=o.error,
                 sampling=sampling,
             ), o.last_turn)
@@ -192,6 +196,7 @@ class RolloutDriver:
         finish = "max_turns"
         last_turn = None
         turns = 0
+        unsent = 0  # messages the renderer never got: the environment's answer to the last turn
         for turn in range(cfg.max_turns):
             max_tokens = min(cfg.max_tokens_per_turn, budget)
             if max_tokens <= 0:
@@ -232,9 +237,12 @@ class RolloutDriver:
                 self.breaks += nxt.brk is not None
                 prompt = nxt.after(prompt, result.completion_ids)
                 last_turn = None
+            else:
+                unsent = len(step.new_messages)
         score = self.env.score(state, messages)
         return RolloutOutcome(
             rollout_id=rollout_id, task_id=task.task_id, group_id=group_id, finish_reason=finish,
-            reward=float(score.reward), components=dict(score.components), messages=messages, turns=turns,
+            reward=float(score.reward), components=dict(score.components), messages=messages, unsent=unsent,
+            turns=turns,
             completion_tokens=cfg.max_tokens_per_rollout - budget, last_turn=last_turn,
         )

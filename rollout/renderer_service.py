@@ -208,9 +208,10 @@ class RendererService:
             ro.weight_versions.append([])
         segments = [s for s in ro.builder.segments if s.completion_tokens > 0] or ro.builder.segments[-1:]
         s = meta.sampling
+        messages = meta.messages if meta.messages is not None else [*ro.messages, *meta.unsent_messages]
         # what every row of the rollout repeats, serialized once (the messages are most of a row's text)
         shared = {
-            "messages": json.dumps(meta.messages, ensure_ascii=False), "reward": float(meta.reward),
+            "messages": json.dumps(messages, ensure_ascii=False), "reward": float(meta.reward),
             "reward_components": json.dumps(meta.reward_components), "advantage": float(meta.advantage),
             "task_id": meta.task_id, "group_id": meta.group_id, "rollout_id": rollout_id,
             "finish_reason": meta.finish_reason, "breaks": json.dumps([b.to_dict() for b in ro.breaks]),

@@ -63,12 +63,17 @@ class Sampling(msgspec.Struct, frozen=True):
 
 class RolloutMeta(msgspec.Struct, frozen=True):
     """What the caller knows of a finished rollout that the renderer service does not: written into
-    each of its shard rows beside the samples the service holds."""
+    each of its shard rows beside the samples the service holds.
+
+    The conversation a row records is ``messages`` when given, else the one the service holds followed by
+    ``unsent_messages`` (environment messages after the last turn, which no bridge sent): the rollout loop
+    sends its messages only for a rollout that failed, so a conversation crosses the wire once."""
 
     task_id: str
     group_id: str
     finish_reason: str = ""
-    messages: list[dict[str, Any]] = msgspec.field(default_factory=list)  # the conversation as the caller ended it
+    messages: list[dict[str, Any]] | None = None
+    unsent_messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
     reward: float = 0.0
     reward_components: dict[str, float] = msgspec.field(default_factory=dict)
     advantage: float = 0.0

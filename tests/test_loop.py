@@ -122,3 +122,30 @@ def test_progress_line_counts_rollouts_tokens_breaks_and_reward():
     bar(RolloutOutcome("r1", "t", "t", "error", reward=0.0, turns=2, completion_tokens=6, error="x"))
     line = out.getvalue().split("\r")[-1]
     assert "rollouts 2/4" in line and "break rate 0.250" in line and "mean reward 0.500" in line and "errors 1" in line
+
+
+def test_a_conversation_crosses_to_the_renderer_once_and_its_rows_hold_all_of_it(tmp_path):
+    """At max_turns the environment's last answer reaches no bridge: only it is sent at finish, and the
+    rows still record the whole conversation (the renderer's copy, then that answer)."""
+    tok = ours("qwen2.5-7b-instruct")
+    r = renderers.create_renderer(tok)
+    env = CalculatorEnv()
+    (task,) = env.generate_tasks(1, seed=3)
+    records, c0, _, _ = _script(env, task, r, tok)
+    engine = ReplayEngine(records[:1], vocab_size=tok.vocab_size, max_model_len=4096)
+    svc = RendererService(str(tokenizer_dir("qwen2.5-7b-instruct")), out_dir=str(tmp_path))
+    sent = []
+
+    class Recording(LocalRenderer):
+        async def finish_group(self, items):
+            sent.extend(items)
+            return await super().finish_group(items)
+
+    cfg = RunConfig(group_size=1, max_turns=1, max_tokens_per_turn=64, max_tokens_per_rollout=256)
+    (out,) = asyncio.run(RolloutDriver(cfg, env, [LocalEngine(engine)], [Recording(svc)], engine.info(), r).run([task]))
+    svc.close()
+    assert out.finish_reason == "max_turns" and [m["role"] for m in out.messages][-2:] == ["assistant", "tool"]
+    (item,) = sent
+    assert item.meta.messages is None and item.meta.unsent_messages == out.messages[-1:]
+    (row,) = read_table(next(tmp_path.glob("data/train-*.arrow"))).to_pylist()
+    assert json.loads(row["messages"]) == out.messages
