@@ -7,9 +7,9 @@ turns that into ``render``, ``parse_response`` and the append-only ``bridge``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
-from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from .dialects import Dialect, dialect_named
 from .dialects.json_calls import parse_json_call
@@ -49,6 +49,10 @@ class Renderer:
     ``thinking_retention`` decides what ``bridge`` does when the template would rewrite reasoning
     the model already sampled: ``"keep"`` (default) extends the tokens the model saw, append-only;
     ``"template"`` returns a ``Break`` so that the caller re-renders exactly as the template does.
+
+    Reentrant: nothing a call computes is stored on the renderer. Per-call template kwargs make a
+    per-call copy (:meth:`_for_call`); what a family learns during one call (the last user query,
+    the close a bridged turn takes) travels as arguments. One instance may serve many threads.
     """
 
     name: ClassVar[str]
@@ -64,6 +68,8 @@ class Renderer:
     think_tokens: ClassVar[tuple[str, str] | None] = None
     tool_call_tokens: ClassVar[tuple[str, str] | None] = None
     extra_stop_tokens: ClassVar[tuple[str, ...]] = ()
+    # The template renders ``tools=[]`` unlike no tools (Llama 3.1: an ipython header); render keeps it.
+    renders_empty_tools: ClassVar[bool] = False
     # The hook for a hand-coded family whose output format is a dialect (renderers/dialects): its name.
     # parse_response then delegates to that dialect (with this renderer's stop ids) wherever the
     # vocabulary has the dialect's markers. None (every family today): the base scan below.
@@ -114,19 +120,15 @@ class Renderer:
             out[key] = value
         return out
 
-    @contextmanager
-    def _kwargs_for_call(self, overrides: dict[str, Any]):
-        """Per-call template kwargs (already checked) on top of the ones given at construction. A
-        renderer serves one caller at a time: the renderer actor runs one call at a time."""
+    def _for_call(self, overrides: dict[str, Any]) -> Self:
+        """This renderer with per-call template kwargs (already checked) on top of the ones given at
+        construction: a shallow copy, so that concurrent calls never see each other's kwargs (caches
+        held in containers stay shared). No overrides: this renderer itself."""
         if not overrides:
-            yield
-            return
-        saved = self.template_kwargs
-        self.template_kwargs = {**saved, **overrides}
-        try:
-            yield
-        finally:
-            self.template_kwargs = saved
+            return self
+        call = copy.copy(self)
+        call.template_kwargs = {**self.template_kwargs, **overrides}
+        return call
 
     # ---- rendering -------------------------------------------------------------------------------
 
@@ -141,10 +143,12 @@ class Renderer:
         if not msgs:
             raise MessageError("messages is empty")
         tool_defs = normalize_tools(tools)
-        if not template_kwargs:  # the common call: no per-call kwargs to check or swap in
+        if tool_defs is None and self.renders_empty_tools and isinstance(tools, (list, tuple)):
+            tool_defs = []  # normalize_tools folds [] to None; this template tells them apart
+        if not template_kwargs:  # the common call: no per-call kwargs to check
             return self._render_tokens(msgs, tool_defs, add_generation_prompt)
-        with self._kwargs_for_call(self.check_template_kwargs(template_kwargs)):
-            return self._render_tokens(msgs, tool_defs, add_generation_prompt)
+        call = self._for_call(self.check_template_kwargs(template_kwargs))
+        return call._render_tokens(msgs, tool_defs, add_generation_prompt)
 
     def _render_tokens(self, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> RenderedTokens:
         """Normalized messages to tokens; hand-coded families go through pieces."""
@@ -160,8 +164,12 @@ class Renderer:
     def _render(self, p: PieceWriter, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> None:
         raise NotImplementedError
 
-    def _continue(self, p: PieceWriter, msgs: list[dict], tools: list[dict] | None) -> None:
-        """Pieces for ``msgs`` following a closed assistant turn, then the generation prompt."""
+    def _continue(
+        self, p: PieceWriter, msgs: list[dict], tools: list[dict] | None, prompt_ids: list[int], completion: list[int]
+    ) -> None:
+        """Pieces for ``msgs`` following a closed assistant turn, then the generation prompt. ``prompt_ids``
+        and ``completion`` are the ids being extended, for a family whose template carries state across
+        the conversation (read, never kept)."""
         raise NotImplementedError
 
     # ---- bridging --------------------------------------------------------------------------------
@@ -183,14 +191,13 @@ class Renderer:
         empty previous prompt is one (there is no rendered conversation to extend)."""
         if len(prev_prompt_ids) == 0:  # (an array's truth value is ambiguous)
             return empty_prompt_break(prev_completion_ids)
-        if not template_kwargs:  # the common call: no per-call kwargs to check or swap in
+        if not template_kwargs:  # the common call: no per-call kwargs to check
             return self._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools)
         try:
             overrides = self.check_template_kwargs(template_kwargs)
         except ValueError as exc:
             return Break(BreakReason.INVALID_MESSAGES, str(exc), len(prev_prompt_ids) + len(prev_completion_ids))
-        with self._kwargs_for_call(overrides):
-            return self._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools)
+        return self._for_call(overrides)._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools)
 
     def _bridge(
         self, prev_prompt_ids: list[int], prev_completion_ids: list[int], new_messages: Any, tools: Any
@@ -211,7 +218,8 @@ class Renderer:
         brk = self._family_break(prev_prompt_ids, completion, msgs)
         if brk is not None:
             return brk
-        closing = [] if completion and completion[-1] == self.turn_close_id else [self.turn_close_id]
+        close_id = self._turn_close_for(completion)
+        closing = [] if completion and completion[-1] == close_id else [close_id]
         last = (closing or completion or prev_prompt_ids or [None])[-1]
         if last not in self.tokenizer.special_ids:
             return Break(
@@ -221,7 +229,7 @@ class Renderer:
         if self.after_close:
             p.scaffold(self.after_close)
         try:
-            self._continue(p, msgs, tool_defs)
+            self._continue(p, msgs, tool_defs, prev_prompt_ids, completion)
         except ValueError as exc:
             return Break(BreakReason.TEMPLATE_ERROR, str(exc), prefix_len)
         return bridged(prev_prompt_ids, completion, closing, p.encode())
@@ -250,6 +258,11 @@ class Renderer:
                     position=prefix_len,
                 )
         return msgs, tool_defs
+
+    def _turn_close_for(self, completion: list[int]) -> int:
+        """Family hook: the token that closes the bridged assistant turn (kept when sampled, else
+        synthesized): :attr:`turn_close_id` unless the family closes some turns with another."""
+        return self.turn_close_id
 
     def _family_break(self, prompt_ids: list[int], completion: list[int], msgs: list[dict]) -> Break | None:
         """Family hook: a Break when, under ``thinking_retention="template"``, the template would

@@ -52,7 +52,7 @@ class ChatMLRenderer(Renderer):
         if add_generation_prompt:
             self._generation_prompt(p)
 
-    def _continue(self, p, msgs, tools):
+    def _continue(self, p, msgs, tools, prompt_ids, completion):
         for i, m in enumerate(msgs):
             self._message(p, m, i)
         self._generation_prompt(p)

@@ -69,7 +69,7 @@ class DeepSeekR1DistillRenderer(Renderer):
                 p.scaffold(OUTPUT_END, i)
         return is_tool
 
-    def _continue(self, p, msgs, tools):
+    def _continue(self, p, msgs, tools, prompt_ids, completion):
         # Only user turns continue append-only: see _family_break for what breaks.
         self._messages(p, msgs, is_output_first=False)
         p.scaffold("<｜Assistant｜>\n")

@@ -36,7 +36,7 @@ from .messages import normalize_tools, tool_names
 from .pieces import PieceWriter
 from .scan import scan_ids
 from .tokenizer import Tokenizer
-from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCall, ToolCallStatus
+from .types import Break, BreakReason, ParsedResponse, ToolCall, ToolCallStatus
 
 BOS = "<｜begin▁of▁sentence｜>"
 USER = "<｜User｜>"
@@ -66,7 +66,6 @@ class _DeepSeekBase(Renderer):
         self._call_begin_id, self._call_end_id = tid(CALL_BEGIN), tid(CALL_END)
         self._sep_id = tid(TOOL_SEP)
         self._outputs_begin_id = tid(OUTPUTS_BEGIN)
-        self._outputs_opened = False  # bridge: the prefix already holds a tool-outputs block
 
     # ---- rendering -------------------------------------------------------------------------------
 
@@ -83,10 +82,13 @@ class _DeepSeekBase(Renderer):
         self._messages(p, msgs, ns)
         self._close(p, ns, add_generation_prompt)
 
-    def _continue(self, p, msgs, tools):
+    def _continue(self, p, msgs, tools, prompt_ids, completion):
         # Assistant and system messages never get here (the base and _family_break return a Break),
-        # so the only state carried over from the prefix is whether a tool-outputs block was opened.
-        ns = _Namespace(is_output_first=not self._outputs_opened)
+        # so the only state carried over from the prefix is whether a tool-outputs block was opened
+        # (ns.is_output_first spans the conversation). One membership scan of the prefix, the same
+        # order of cost as copying it into the result.
+        begin = self._outputs_begin_id
+        ns = _Namespace(is_output_first=begin not in prompt_ids and begin not in completion)
         self._messages(p, msgs, ns)
         self._close(p, ns, add_generation_prompt=True)
 
@@ -136,13 +138,6 @@ class _DeepSeekBase(Renderer):
         )
 
     # ---- bridging --------------------------------------------------------------------------------
-
-    def _bridge(self, prev_prompt_ids, prev_completion_ids, new_messages, tools) -> Bridged | Break:
-        # ns.is_output_first spans the conversation: whether new tool results open a block depends on the
-        # whole prefix. One membership scan of it, the same order of cost as copying it into the result.
-        begin = self._outputs_begin_id
-        self._outputs_opened = begin in prev_prompt_ids or begin in prev_completion_ids
-        return super()._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools)
 
     def _family_break(self, prompt_ids, completion, msgs):
         for i, m in enumerate(msgs):

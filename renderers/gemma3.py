@@ -81,7 +81,7 @@ class Gemma3Renderer(Renderer):
         p.special("<start_of_turn>")
         p.scaffold("model\n")
 
-    def _continue(self, p, msgs, tools):
+    def _continue(self, p, msgs, tools, prompt_ids, completion):
         # _family_break has checked the alternation against the turn's position in the whole conversation.
         for i in range(len(msgs)):
             self._turn(p, msgs, i)

@@ -24,7 +24,7 @@ from .json_text import tojson
 from .messages import MessageError, normalize_tools, tool_names
 from .pieces import Pieces, PieceWriter
 from .tokenizer import Tokenizer
-from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCall, ToolCallStatus
+from .types import Break, BreakReason, ParsedResponse, ToolCall, ToolCallStatus
 
 HEADER = "<|start_header_id|>{}<|end_header_id|>\n\n"
 SYSTEM_TOOLS_INTRO = (
@@ -65,13 +65,15 @@ class Llama31Renderer(LlamaHeaders):
     }
     default_date = "26 Jul 2024"  # the template's fallback when date_string is not given
     has_builtin_tools = True
+    # transformers hands tools=[] to the template as an empty list, which this template renders unlike
+    # none (an "Environment: ipython" header and an empty tool preamble)
+    renders_empty_tools = True
 
     def __init__(self, tokenizer: Tokenizer, **kwargs: Any) -> None:
         super().__init__(tokenizer, **kwargs)
         self.eot_id = self.turn_close_id
         self.eom_id = tokenizer.token_id("<|eom_id|>")
         self.python_tag_id = tokenizer.token_id("<|python_tag|>")
-        self._empty_tools = False
 
     def check_template_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         out = super().check_template_kwargs(kwargs)
@@ -84,15 +86,6 @@ class Llama31Renderer(LlamaHeaders):
                 raise ValueError(f"template kwarg 'custom_tools': {exc}") from None
         return out
 
-    def render(self, messages: Any, tools: Any = None, add_generation_prompt: bool = False, **template_kwargs: Any):
-        # transformers hands tools=[] to the template as an empty list, which this template renders unlike
-        # none (an "Environment: ipython" header and an empty tool preamble); normalize_tools folds both to None.
-        self._empty_tools = isinstance(tools, (list, tuple)) and not tools
-        try:
-            return super().render(messages, tools, add_generation_prompt, **template_kwargs)
-        finally:
-            self._empty_tools = False
-
     # ---- rendering -------------------------------------------------------------------------------
 
     @property
@@ -104,8 +97,6 @@ class Llama31Renderer(LlamaHeaders):
         kw = self.template_kwargs
         if "custom_tools" in kw:
             tools = kw["custom_tools"]
-        elif tools is None and self._empty_tools:
-            tools = []
         in_user = kw.get("tools_in_user_message", True)
         builtin = self._builtin
         start, owner = 0, -1
@@ -195,25 +186,16 @@ class Llama31Renderer(LlamaHeaders):
             p.scaffold("}", i, sampled=True)
         p.special("<|eom_id|>" if builtin is not None else "<|eot_id|>", i, sampled=True)
 
-    def _continue(self, p, msgs, tools):
+    def _continue(self, p, msgs, tools, prompt_ids, completion):
         for i in range(len(msgs)):
             self._message(p, msgs, i)
         self._header(p, "assistant", -1)
 
     # ---- bridging --------------------------------------------------------------------------------
 
-    def _bridge(self, prev_prompt_ids, prev_completion_ids, new_messages, tools) -> Bridged | Break:
-        # The base bridge reuses or synthesizes `turn_close_id`. In ipython mode the template closes a
-        # tool-call turn with <|eom_id|> instead, and a model may stop on it: for this call only, the
-        # close is the one this turn takes (the renderer serves one call at a time, as in _kwargs_for_call).
-        close = self._close_for(list(prev_completion_ids))
-        if close == self.eot_id:
-            return super()._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools)
-        self.turn_close_id = close
-        try:
-            return super()._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools)
-        finally:
-            self.turn_close_id = self.eot_id
+    def _turn_close_for(self, completion: list[int]) -> int:
+        # In ipython mode the template closes a tool-call turn with <|eom_id|>, and a model may stop on it.
+        return self._close_for(completion)
 
     def _family_break(self, prompt_ids, completion, msgs):
         """Under ``thinking_retention="template"``: a Break when the template would re-render this reply

@@ -19,7 +19,7 @@ from .llama3 import LlamaHeaders
 from .messages import normalize_tools, tool_names
 from .pieces import PieceWriter
 from .tokenizer import Tokenizer
-from .types import Break, BreakReason, Bridged, ParsedResponse, ToolCall, ToolCallStatus
+from .types import Break, BreakReason, ParsedResponse, ToolCall, ToolCallStatus
 
 NEMOTRON_TOOLS_INTRO = "You can use the following tools to assist the user if required:\n<AVAILABLE_TOOLS>["
 NEMOTRON_TOOLS_OUTRO = (
@@ -47,7 +47,6 @@ class NemotronSuperRenderer(LlamaHeaders):
     def __init__(self, tokenizer: Tokenizer, **kwargs: Any) -> None:
         super().__init__(tokenizer, **kwargs)
         self._prefill_ids = tokenizer.encode_plain("\n\n" + NO_THINK_PREFILL)  # the run after <|end_header_id|>
-        self._thinking = True  # the generation prompt of the conversation being bridged
 
     def _render(self, p, msgs, tools, add_generation_prompt):
         owner = 0 if msgs[0]["role"] == "system" else -1
@@ -121,21 +120,18 @@ class NemotronSuperRenderer(LlamaHeaders):
             p.scaffold("]</TOOLCALL>", i, sampled=True)
         p.special("<|eot_id|>", i, sampled=True)
 
-    def _continue(self, p, msgs, tools):
+    def _continue(self, p, msgs, tools, prompt_ids, completion):
         self._messages(p, msgs, prev_role="assistant")
-        self._generation_prompt(p, self._thinking)
+        self._generation_prompt(p, self._thinking_in(prompt_ids))
 
     # ---- bridging --------------------------------------------------------------------------------
 
-    def _bridge(self, prev_prompt_ids, prev_completion_ids, new_messages, tools) -> Bridged | Break:
-        # The switch lives in the system message, outside the new messages: the previous generation
-        # prompt shows it (it ends with the pre-filled empty think block when thinking is off).
+    def _thinking_in(self, prompt_ids: list[int]) -> bool:
+        """Whether the conversation behind ``prompt_ids`` has reasoning on. The switch lives in the system
+        message, outside a bridge's new messages: the previous generation prompt shows it (it ends with
+        the pre-filled empty think block when thinking is off)."""
         n = len(self._prefill_ids)
-        self._thinking = list(prev_prompt_ids[-n:]) != self._prefill_ids
-        try:
-            return super()._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools)
-        finally:
-            self._thinking = True
+        return list(prompt_ids[-n:]) != self._prefill_ids
 
     def _family_break(self, prompt_ids, completion, msgs):
         # Reasoning is text in this vocabulary (no think tokens for the base class to track).
@@ -147,7 +143,7 @@ class NemotronSuperRenderer(LlamaHeaders):
             return Break(reason, "the completion ended inside an unclosed <think> block", position=at)
         if self.thinking_retention != "template":
             return None
-        if not self._thinking:
+        if not self._thinking_in(prompt_ids):
             return Break(
                 BreakReason.TEMPLATE_REWRITES_HISTORY,
                 "the nemotron template drops the empty think block its /no_think generation prompt pre-fills",

@@ -80,13 +80,17 @@ class _QwenBase(Renderer):
         p.fields(_CALL_OPEN[separator], (call["function"]["name"], arguments_text), _CALL_MIDDLE,
                  "}\n</tool_call><|im_end|>" if last else "}\n</tool_call>", i, sampled=True)
 
-    def _messages(self, p: PieceWriter, msgs: list[dict], prev_role: str | None, first_is_skipped_system: bool) -> None:
+    def _messages(
+        self, p: PieceWriter, msgs: list[dict], prev_role: str | None, first_is_skipped_system: bool, last_query: int = -1
+    ) -> None:
+        """The template's loop. ``last_query``: the index of the last real user query (Qwen3 keeps the
+        reasoning of assistant turns after it); -1 where the template has no such rule."""
         for i, m in enumerate(msgs):
             role = m["role"]
             if role == "user" or (role == "system" and not (i == 0 and first_is_skipped_system)):
                 self._plain_turn(p, m, i)
             elif role == "assistant":
-                self._assistant(p, msgs, i)
+                self._assistant(p, msgs, i, last_query)
             elif role == "tool":
                 self._tool_message(p, msgs, i, msgs[i - 1]["role"] if i > 0 else prev_role)
             prev_role = role
@@ -94,7 +98,7 @@ class _QwenBase(Renderer):
     def _generation_prompt(self, p: PieceWriter) -> None:
         p.scaffold("<|im_start|>assistant\n")
 
-    def _continue(self, p, msgs, tools):
+    def _continue(self, p, msgs, tools, prompt_ids, completion):
         self._messages(p, msgs, prev_role="assistant", first_is_skipped_system=False)
         self._generation_prompt(p)
 
@@ -124,7 +128,7 @@ class Qwen25Renderer(_QwenBase):
         if add_generation_prompt:
             self._generation_prompt(p)
 
-    def _assistant(self, p: PieceWriter, msgs: list[dict], i: int) -> None:
+    def _assistant(self, p: PieceWriter, msgs: list[dict], i: int, last_query: int) -> None:
         m = msgs[i]
         if "tool_calls" not in m:
             self._plain_turn(p, m, i)
@@ -160,8 +164,7 @@ class Qwen3Renderer(_QwenBase):
             self._tool_definitions(p, tools)
         elif has_system:
             self._plain_turn(p, msgs[0], 0)
-        self._last_query = _last_query_index(msgs)
-        self._messages(p, msgs, prev_role=None, first_is_skipped_system=True)
+        self._messages(p, msgs, prev_role=None, first_is_skipped_system=True, last_query=_last_query_index(msgs))
         if add_generation_prompt:
             self._generation_prompt(p)
 
@@ -177,7 +180,7 @@ class Qwen3Renderer(_QwenBase):
         if self.template_kwargs.get("enable_thinking") is False:
             p.scaffold("<think>\n\n</think>\n\n")
 
-    def _assistant(self, p: PieceWriter, msgs: list[dict], i: int) -> None:
+    def _assistant(self, p: PieceWriter, msgs: list[dict], i: int, last_query: int) -> None:
         m = msgs[i]
         content = m.get("content")  # None stands for Jinja's undefined
         reasoning = ""
@@ -189,7 +192,7 @@ class Qwen3Renderer(_QwenBase):
         if content is None:
             raise TemplateRejected(f"message {i}: the qwen3 template concatenates the assistant content, which is missing")
         p.scaffold("<|im_start|>assistant\n", i)
-        if i > self._last_query and (i == len(msgs) - 1 or reasoning):
+        if i > last_query and (i == len(msgs) - 1 or reasoning):
             p.wrapped("<think>\n", reasoning.strip("\n"), "\n</think>\n\n", i, sampled=True)
             p.text(content.lstrip("\n"), i, sampled=True)
         else:
