@@ -20,24 +20,33 @@ A caller may also pass the history itself (``GenericRenderer.bridge(..., history
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .base import TemplateRejected
 from .messages import MessageError
-from .types import Break, BreakReason, Bridged, RenderedTokens
-
-if TYPE_CHECKING:
-    from .generic import GenericRenderer
+from .types import Break, BreakReason, Bridged, ParsedResponse, RenderedTokens
 
 
-def assistant_message(renderer: GenericRenderer, completion: list[int], tools: list[dict] | None) -> dict:
+class RendersWhole(Protocol):
+    """What the full-render bridge uses of the generic renderer (a Protocol, so that this module
+    needs nothing of renderers/generic.py, which imports it)."""
+
+    history_arguments: str
+
+    def parse_response(self, completion_ids: list[int], prompt_ids: list[int] | None = None,
+                       tools: list[dict] | None = None) -> ParsedResponse: ...
+
+    def _render_tokens(self, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> RenderedTokens: ...
+
+
+def assistant_message(renderer: RendersWhole, completion: list[int], tools: list[dict] | None) -> dict:
     """The sampled turn as the message a re-render uses: parsed, tool-call arguments in the form the
     template renders in history."""
     return renderer.parse_response(completion, tools=tools).to_message(renderer.history_arguments)
 
 
 def full_bridge(
-    renderer: GenericRenderer,
+    renderer: RendersWhole,
     prompt: list[int],
     completion: list[int],
     history: list[dict],

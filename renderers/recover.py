@@ -28,14 +28,26 @@ behind a prompt is not remembered; the renderer remembers what it recovered.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .base import TemplateRejected
+from .full_bridge import RendersWhole
 from .messages import MessageError
-from .probe import SENT_NEW, closers
+from .probe import SENT_NEW, Probe, closers
+from .tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from .generic import GenericRenderer
+
+class Recovers(RendersWhole, Protocol):
+    """What recovery uses of the generic renderer (a Protocol: this module needs nothing of
+    renderers/generic.py, which imports it)."""
+
+    tokenizer: Tokenizer
+    _added_re: re.Pattern[str] | None
+
+    @property
+    def probe(self) -> Probe: ...
+
+    def _try_text(self, msgs: list[dict], tools: list[dict] | None, agp: bool) -> str | None: ...
 
 # Sentinels for step 2, one per message: supplementary private-use characters (as the probe's).
 _FIRST_SENTINEL = 0xF8200
@@ -44,7 +56,7 @@ _SENTINEL = "\U000f8100"  # the walk's candidate text
 _MAX_RENDERS = 400  # the walk gives up after this many template renders (a prompt no role sequence fits)
 
 
-def recover_conversation(renderer: GenericRenderer, prompt: list[int], tools: list[dict] | None) -> list[dict] | None:
+def recover_conversation(renderer: Recovers, prompt: list[int], tools: list[dict] | None) -> list[dict] | None:
     """The messages ``prompt`` (a render with the generation prompt) was rendered from with ``tools``, as
     proven by re-rendering them to exactly ``prompt``; None where none is found."""
     prompt = list(prompt)  # a tuple or an array compares unlike a list
@@ -71,7 +83,7 @@ def recover_conversation(renderer: GenericRenderer, prompt: list[int], tools: li
 class _Walk:
     """Role sequences whose renders, message by message, spell the prompt's text (step 1)."""
 
-    def __init__(self, renderer: GenericRenderer, text: str, end: int, tools: list[dict] | None) -> None:
+    def __init__(self, renderer: Recovers, text: str, end: int, tools: list[dict] | None) -> None:
         self.r = renderer
         self.text = text
         self.end = end  # where the generation prompt starts
@@ -168,7 +180,7 @@ def _answered_call(msgs: list[dict]) -> dict:
     return {}
 
 
-def _fits(renderer: GenericRenderer, messages: list[dict], tools: list[dict] | None, text: str):
+def _fits(renderer: Recovers, messages: list[dict], tools: list[dict] | None, text: str):
     """Conversations whose render matches ``text`` as a pattern (step 2): ``messages``, then without
     its first system message, then with one the template may have moved."""
     variants = [messages]
@@ -182,7 +194,7 @@ def _fits(renderer: GenericRenderer, messages: list[dict], tools: list[dict] | N
             yield fitted
 
 
-def _fit(renderer: GenericRenderer, messages: list[dict], tools: list[dict] | None, text: str) -> list[dict] | None:
+def _fit(renderer: Recovers, messages: list[dict], tools: list[dict] | None, text: str) -> list[dict] | None:
     skeleton = [
         m if m["role"] == "assistant" else {**m, "content": chr(_FIRST_SENTINEL + i)} for i, m in enumerate(messages)
     ]
