@@ -1,13 +1,20 @@
-"""A renderer change against a git revision, in one process: cold renders and bridges, interleaved rounds.
+"""A renderer change against a git revision, in one process: identical output on every family, then speed.
 
-    .venv/bin/python scripts/bench_render_ab.py --base REV [--fixtures DIR] [--rounds 9] [--bridge]
+    .venv/bin/python scripts/bench_render_ab.py --base REV [--fixtures DIR] [--rounds 9] [--bridge] [--identity-only | --timing-only]
 
 The revision's ``renderers/`` is extracted with ``git archive`` into a temporary directory and imported
-under another name next to the working tree's ``tito_renderers``; both render the same never-seen
-Qwen3 conversations of bench_render.py (1 / 10 / 30 tool turns, code and multilingual tool results),
-alternating which goes first each round, after checking that both give the same tokens and attribution.
-Prints each side's median ms per call and base / working tree.
-On a shared machine, only the ratio is worth reading: both sides see the same noise.
+under another name next to the working tree's ``tito_renderers``.
+
+1. Identity: for every fixture family (each tokenizer fixture with the renderer its template selects
+   and with the generic renderer; the template-only fixtures on the vocabulary tests/ pairs them
+   with, reconstructed ones included), both sides render the same conversations (plain chat, tool
+   turns, with and without the generation prompt) and bridge the same turns (a tool result, a user
+   message, a cut-off completion). Ids, message indices, sampled mask and content flags must be
+   equal, and a Break or an error must be the same. One line per family; any difference exits 1.
+2. Speed (Qwen3 only): both render the same never-seen conversations of bench_render.py (1 / 10 /
+   30 tool turns, code and multilingual tool results), alternating which goes first each round.
+   Prints each side's median ms per call and base / working tree. On a shared machine, only the
+   ratio is worth reading: both sides see the same noise.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO))  # tests.reconstructed builds the template-only families' tokenizers
 
 import bench_render as bench  # noqa: E402
 
@@ -62,11 +70,18 @@ def main() -> None:
     ap.add_argument("--fixtures", default=os.environ.get("TITO_FIXTURES", REPO.parent / "shared" / "fixtures"))
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--bridge", action="store_true", help="time bridges instead of cold renders")
+    ap.add_argument("--identity-only", action="store_true", help="check identical output on every family; no timing")
+    ap.add_argument("--timing-only", action="store_true", help="skip the families' identity check (Qwen3's still runs)")
     args = ap.parse_args()
     path = Path(args.fixtures) / "tokenizers" / "qwen3-0.6b"
     with tempfile.TemporaryDirectory() as tmp:
+        modules = {"base": load_base(args.base, Path(tmp)), "tree": tito_renderers}
+        if not args.timing_only and not same_on_every_family(modules, Path(args.fixtures)):
+            raise SystemExit(1)
+        if args.identity_only:
+            return
         sides = {}
-        for name, module in (("base", load_base(args.base, Path(tmp))), ("tree", tito_renderers)):
+        for name, module in modules.items():
             tok = module.load_tokenizer(path)
             clear = importlib.import_module(module.__name__ + ".pieces").clear_caches
             sides[name] = (tok, module.create_renderer(tok), clear)
@@ -90,6 +105,121 @@ def main() -> None:
                       f"({med['base'] / med['tree']:.2f}x)", flush=True)
 
 
+# Template-only fixtures and the tokenizer fixture of their vocabulary (as tests/ pair them).
+TEMPLATE_ON = {
+    "meta-llama-Llama-3.3-70B-Instruct.jinja": "llama-3.1-8b-instruct",
+    "nvidia-Llama-3_3-Nemotron-Super-49B-v1_5.jinja": "llama-3.1-8b-instruct",
+    "deepseek-ai-DeepSeek-V3.1.jinja": "deepseek-r1",
+    "Qwen-Qwen3.5-4B.jinja": "qwen3-0.6b",
+}
+
+
+def families(fixtures: Path) -> list[tuple[str, Path, str | None, str | None]]:
+    """(label, tokenizer directory, template file or None, renderer name or None: chosen by the
+    template) for every family the fixtures hold."""
+    out: list[tuple[str, Path, str | None, str | None]] = []
+    for d in sorted((fixtures / "tokenizers").iterdir()):
+        out += [(d.name, d, None, None), (f"{d.name} (generic)", d, None, "generic")]
+    for template, vocab in TEMPLATE_ON.items():
+        out.append((template.removesuffix(".jinja"), fixtures / "tokenizers" / vocab, str(fixtures / "templates" / template), None))
+    from tests import reconstructed  # builds into ~/.cache/tito once
+
+    for name, spec in reconstructed.SPECS.items():
+        if spec.template is None:  # Mistral's template is generated by mistral-common at test time
+            continue
+        built = reconstructed.build(reconstructed.VOCABULARY.get(name, name))
+        out.append((f"{name} (reconstructed)", built, str(fixtures / "templates" / spec.template), None))
+    return out
+
+
+def identity_inputs(tools: list[dict]) -> list[tuple[list[dict], list[dict] | None]]:
+    """Conversations every family is rendered with: a plain chat, a system prompt, and tool turns."""
+    call = {"role": "assistant", "content": "", "reasoning_content": "I should search.",
+            "tool_calls": [{"type": "function", "function": {"name": "search", "arguments": {"query": "tito"}}}]}
+    plain = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "2+2 = 4."},
+             {"role": "user", "content": "And données 数据 🙂 <|im_end|> </think>?"}]
+    system = [{"role": "system", "content": "You are terse."}, *plain]
+    agent = [{"role": "system", "content": "You are a research agent."}, {"role": "user", "content": "Find tito."},
+             call, {"role": "tool", "content": "def f(x):\n    return {\"a\": [1, 2]}\n"},
+             {"role": "assistant", "content": "Found it: f returns a dict."}, {"role": "user", "content": "Thanks!"}]
+    return [(plain, None), (system, None), (agent, tools)]
+
+
+def _outcome(call) -> tuple:
+    """What a render or bridge gave, as comparable values: its ids and attribution, a Break's reason,
+    position and detail, or the error's type and message."""
+    try:
+        out = call()
+    except Exception as exc:  # both sides must raise the same error
+        return ("error", type(exc).__name__, str(exc))
+    if hasattr(out, "reason"):
+        return ("break", str(out.reason), out.position, out.detail)
+    extra = (out.prefix_len, out.synthesized) if hasattr(out, "appended") else ()
+    out = getattr(out, "appended", out)
+    return (*extra, list(out.token_ids), list(out.message_indices), list(out.sampled_mask), list(out.is_content))
+
+
+def _calls(r, msgs: list[dict], tools: list[dict] | None) -> list[tuple[str, object]]:
+    """Renders of every prefix of ``msgs`` (a prompt before an assistant turn, else a conversation) and bridges from
+    each prompt before an assistant turn: its sampled turn (as the template renders it, cut after its
+    last stop id, or cut short) then the next message."""
+    calls: list[tuple[str, object]] = []
+    for k in range(1, len(msgs) + 1):  # a prompt before each assistant turn, each conversation through one
+        agp = k < len(msgs) and msgs[k]["role"] == "assistant"
+        calls.append((f"render {k} agp={agp}", lambda k=k, agp=agp: r.render(msgs[:k], tools, add_generation_prompt=agp)))
+    for k, m in enumerate(msgs):
+        if m["role"] != "assistant" or k + 1 >= len(msgs):
+            continue
+        try:
+            prompt = r.render_ids(msgs[:k], tools, add_generation_prompt=True)
+            turn = r.render_ids(msgs[: k + 1], tools)[len(prompt):]
+        except Exception:
+            continue  # both sides' renders are compared above
+        stops = [i for i, t in enumerate(turn) if t in r.stop_token_ids]
+        sampled = turn[: stops[-1] + 1] if stops else turn
+        for label, completion in (("stopped", sampled), ("cut", sampled[: max(1, len(sampled) // 2)])):
+            nxt = msgs[k + 1 : k + 2]
+            calls.append((f"bridge after {k} ({label})", lambda p=prompt, c=completion, n=nxt: r.bridge(p, c, n, tools)))
+    return calls
+
+
+def same_on_every_family(modules: dict, fixtures: Path) -> bool:
+    """Every family's renders and bridges agree between the sides; one line per family."""
+    ok = True
+    loaded: dict[tuple[str, Path], object] = {}
+    for label, tok_dir, template, name in families(fixtures):
+        renderers = {}
+        for side, module in modules.items():
+            key = (side, tok_dir)
+            if key not in loaded:  # a vocabulary loads in seconds: once per side
+                loaded[key] = module.load_tokenizer(tok_dir)
+            tok = loaded[key]
+            if template is not None:
+                tok = tok.with_chat_template(Path(template).read_text(encoding="utf-8"), f"{tok.name_or_path} + {template}")
+            try:
+                renderers[side] = module.create_renderer(tok, name=name)
+            except Exception as exc:
+                renderers[side] = f"{type(exc).__name__}: {exc}"
+        if any(isinstance(r, str) for r in renderers.values()):
+            same = renderers["base"] == renderers["tree"]
+            ok = ok and same
+            print(f"identity {label:44s} {'same' if same else 'DIFFERENT'}: no renderer ({renderers['tree']})"[:200], flush=True)
+            continue
+        checked, differ = 0, []
+        for msgs, tools in identity_inputs(TOOLS_FOR_IDENTITY):
+            pairs = zip(*(_calls(r, msgs, tools) for r in (renderers["base"], renderers["tree"])))
+            for (what, base_call), (_, tree_call) in pairs:
+                checked += 1
+                if _outcome(base_call) != _outcome(tree_call):
+                    differ.append(what)
+        ok = ok and not differ
+        kind = type(renderers["tree"]).__name__
+        status = "same" if not differ else f"DIFFERENT in {len(differ)}: {', '.join(differ[:4])}"
+        print(f"identity {label:44s} {kind:26s} {checked:3d} calls {status}", flush=True)
+    print(f"identity: {'identical ids, attribution and breaks on every family' if ok else 'DIFFERENCES (above)'}", flush=True)
+    return ok
+
+
 def same_output(fns: dict, inputs: list) -> None:
     """A speed-up that changes a token or its attribution is a bug: both sides must agree on every input."""
     for x in inputs:
@@ -99,6 +229,10 @@ def same_output(fns: dict, inputs: list) -> None:
             got, want = (getattr(getattr(out, "appended", out), field) for out in (tree, base))
             if got != want:
                 raise SystemExit(f"the working tree's {field} differ from the base revision's on {str(x)[:200]}")
+
+
+TOOLS_FOR_IDENTITY = [{"type": "function", "function": {"name": "search", "description": "Search the corpus.",
+                       "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]
 
 
 def bridges(sides: dict, r0, tok0, msgs: list[dict], style: str, rounds: int):
