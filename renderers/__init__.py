@@ -12,7 +12,8 @@ if __name__ == "renderers":  # this source directory found under its old top-lev
 
     hand_over()
 else:
-    from .base import EFFORT_LEVELS, Renderer, TemplateRejected, nearest_effort, parse_json_call
+    from .base import EFFORT_LEVELS, Renderer, TemplateRejected, nearest_effort
+    from .dialects.json_calls import parse_json_call
     from .messages import MessageError, normalize_messages
     from .registry import RENDERERS, UnknownTemplateError, create_renderer, select_renderer
     from .tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
