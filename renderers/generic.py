@@ -191,11 +191,11 @@ class GenericRenderer(GenericBridge, Renderer):
         if not msgs:
             raise MessageError("messages is empty")
         tool_defs = _tools(tools)
-        with self._kwargs_for_call(self.check_template_kwargs(template_kwargs)):
-            rendered = self._render_tokens(msgs, tool_defs, add_generation_prompt)
-            if add_generation_prompt:  # a prompt a later bridge may need the conversation of
-                self._conversations.remember(rendered.token_ids, msgs, tool_defs, self.template_kwargs)
-            return rendered
+        call = self._for_call(self.check_template_kwargs(template_kwargs))  # this call's kwargs, never on self
+        rendered = call._render_tokens(msgs, tool_defs, add_generation_prompt)
+        if add_generation_prompt:  # a prompt a later bridge may need the conversation of
+            self._conversations.remember(rendered.token_ids, msgs, tool_defs, call.template_kwargs)
+        return rendered
 
     def _text(self, msgs: list[dict], tools: list[dict] | None, agp: bool, defuse: str | None = None) -> str:
         template = self.template

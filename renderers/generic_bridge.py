@@ -57,8 +57,7 @@ class GenericBridge:
             overrides = self.check_template_kwargs(template_kwargs)
         except ValueError as exc:
             return Break(BreakReason.INVALID_MESSAGES, str(exc), len(prev_prompt_ids) + len(prev_completion_ids))
-        with self._kwargs_for_call(overrides):
-            return self._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools, history)
+        return self._for_call(overrides)._bridge(prev_prompt_ids, prev_completion_ids, new_messages, tools, history)
 
     def _bridge(self, prev_prompt_ids, prev_completion_ids, new_messages, tools, history=None) -> Bridged | Break:
         prefix_len = len(prev_prompt_ids) + len(prev_completion_ids)
