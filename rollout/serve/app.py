@@ -298,14 +298,16 @@ def create_app(state: ServerState) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        def count_expired(sid: str) -> None:
+            state.metrics.inc("sessions_expired_total")
+            state.metrics.inc("sessions_ended_total", how="expired")
+
         async def sweep() -> None:
             while True:
                 await asyncio.sleep(state.sweep_interval_s)
                 with contextlib.suppress(Exception):
-                    for sid in await state.sessions.expire():
+                    for sid in await state.sessions.expire(on_end=count_expired):
                         await state.fleet.end_session(sid)
-                        state.metrics.inc("sessions_expired_total")
-                        state.metrics.inc("sessions_ended_total", how="expired")
                     await evict_over_budget(state)
 
         task = asyncio.create_task(sweep())

@@ -103,9 +103,11 @@ async def end_session(state: ServerState, s: Session, reason: str, *, how: str, 
 
 async def evict_over_budget(state: ServerState) -> None:
     """Enforce ``sessions.max_idle_bytes``: the least recently used idle sessions go first."""
-    for sid in await state.sessions.evict_over_budget():
-        await state.fleet.end_session(sid)
+    def counted(sid: str) -> None:
         state.metrics.inc("sessions_ended_total", how="evicted")
+
+    for sid in await state.sessions.evict_over_budget(counted):
+        await state.fleet.end_session(sid)
 
 
 async def open_turn(state: ServerState, session_id: str, body: ChatBody) -> Turn:

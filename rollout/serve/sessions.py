@@ -28,6 +28,7 @@ import itertools
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,9 +236,10 @@ class SessionManager:
         await s.renderer.discard(session_id)
         return 0
 
-    async def evict_over_budget(self) -> list[str]:
+    async def evict_over_budget(self, on_end: Callable[[str], None] = lambda sid: None) -> list[str]:
         """While the sessions hold more than ``max_idle_bytes``, close the least recently used idle one (not
-        one in a call); returns the evicted ids. Busy sessions alone may still exceed the bound."""
+        one in a call); returns the evicted ids. Busy sessions alone may still exceed the bound. ``on_end``
+        is called with each id as it leaves the table, so a metric counted there never lags the listing."""
         if self.max_idle_bytes is None:
             return []
         total = self.nbytes
@@ -252,11 +254,13 @@ class SessionManager:
             # count must never lag behind it
             self.evicted += 1
             evicted.append(s.id)
+            on_end(s.id)
             await self.close(s.id, "evicted")
         return evicted
 
-    async def expire(self, now: float | None = None) -> list[str]:
-        """Close the sessions idle longer than the timeout (not those in a call)."""
+    async def expire(self, now: float | None = None, on_end: Callable[[str], None] = lambda sid: None) -> list[str]:
+        """Close the sessions idle longer than the timeout (not those in a call); ``on_end`` as in
+        :meth:`evict_over_budget`."""
         now = time.monotonic() if now is None else now
         stale = [sid for sid, s in self.sessions.items()
                  if now - s.last_used > self.idle_timeout_s and not s.lock.locked()]
@@ -264,5 +268,6 @@ class SessionManager:
             if sid not in self.sessions:  # deleted by its client while an earlier one was being closed
                 continue
             self.expired += 1  # counted before close() awaits, as in evict_over_budget
+            on_end(sid)
             await self.close(sid, "expired")
         return stale
