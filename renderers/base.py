@@ -57,12 +57,14 @@ class Renderer:
 
     name: ClassVar[str]
     template_hashes: ClassVar[tuple[str, ...]] = ()  # sha256 of the templates the parity tests verified
-    template_kwargs_allowed: ClassVar[dict[str, type]] = {}
-    reasoning_efforts: ClassVar[tuple[str, ...]] = ()  # levels the template distinguishes (EFFORT_LEVELS order)
-    supports_tools: ClassVar[bool] = True
+    # What the template takes and renders. A hand-coded family declares these on its class; GenericRenderer
+    # learns them per template in _read_template (so they are plain attributes, not ClassVars).
+    template_kwargs_allowed: dict[str, type] = {}
+    reasoning_efforts: tuple[str, ...] = ()  # levels the template distinguishes (EFFORT_LEVELS order)
+    supports_tools: bool = True
     # How tool-call arguments of earlier assistant turns must be given for this template to re-render them
     # as sampled: "object" (the template applies tojson to a dict) or "json" (it concatenates a string).
-    history_arguments: ClassVar[str] = "object"
+    history_arguments: str = "object"
     turn_close: ClassVar[str]  # the special token that closes an assistant turn
     after_close: ClassVar[str] = ""  # template text between that token and the next message
     think_tokens: ClassVar[tuple[str, str] | None] = None
@@ -80,16 +82,31 @@ class Renderer:
             raise ValueError(f"thinking_retention must be one of {THINKING_RETENTION}, got {thinking_retention!r}")
         self.tokenizer = tokenizer
         self.thinking_retention = thinking_retention
+        self._read_template()
         self.template_kwargs = self.check_template_kwargs(template_kwargs)
-        self.turn_close_id = tokenizer.token_id(self.turn_close)
+        self._read_kwargs()
+
+    def _read_template(self) -> None:
+        """What the renderer knows of its template before any kwargs are checked. A hand-coded family
+        declares it on its class, so only its markers' ids are looked up here; GenericRenderer probes."""
+        tokenizer = self.tokenizer
+        self.think_ids: tuple[int, ...] | None = (
+            tuple(tokenizer.token_id(t) for t in self.think_tokens) if self.think_tokens else None
+        )
+        self.tool_call_ids: tuple[int, ...] | None = (
+            tuple(tokenizer.token_id(t) for t in self.tool_call_tokens) if self.tool_call_tokens else None
+        )
+
+    def _read_kwargs(self) -> None:
+        """What depends on ``self.template_kwargs``: the turn-closing and stop ids. Called at construction
+        and on each per-call copy (:meth:`_for_call`); fixed for a hand-coded family, probed per kwargs
+        by GenericRenderer (a template may close turns differently with thinking on)."""
+        tokenizer = self.tokenizer
+        self.turn_close_id: int = tokenizer.token_id(self.turn_close)
         stops = [self.turn_close_id] + [
             tokenizer.added_tokens[t] for t in self.extra_stop_tokens if t in tokenizer.added_tokens
         ]
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
-        self.think_ids = tuple(tokenizer.token_id(t) for t in self.think_tokens) if self.think_tokens else None
-        self.tool_call_ids = (
-            tuple(tokenizer.token_id(t) for t in self.tool_call_tokens) if self.tool_call_tokens else None
-        )
 
     @property
     def template_sha256(self) -> str | None:
@@ -128,6 +145,7 @@ class Renderer:
             return self
         call = copy.copy(self)
         call.template_kwargs = {**self.template_kwargs, **overrides}
+        call._read_kwargs()
         return call
 
     # ---- rendering -------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from .annotate import (
     past_closing,
     snap,
 )
-from .base import THINKING_RETENTION, Renderer, TemplateRejected
+from .base import Renderer, TemplateRejected
 from .conversations import Conversations
 from .dialects import dialect_for
 from .generic_bridge import GenericBridge
@@ -63,9 +63,9 @@ from .types import Capabilities, ParsedResponse, RenderedTokens
 # Private-use characters: defusing markers, and marking message text. Inputs that contain any of them
 # are rendered without marks (coarser attribution), never wrongly.
 _END_OF_TEXT = re.compile(r"<\|?(endoftext|end_of_text|eos)\|?>|<｜end▁of▁sentence｜>")
-_PROBE_CACHE: dict[tuple, tuple[Any, Probe]] = {}
+_PROBE_CACHE: dict[tuple, tuple[Any, Probe]] = {}  # (template sha256, backend id, kwargs) -> (backend, probe)
 _TEXT_FIELDS = ("content", "reasoning_content")  # a message's texts, as the annotation marks them
-_RENDER_RECIPES = 1024  # render recipes (and shapes seen once) kept per renderer  # (template sha256, backend id, kwargs) -> (backend, probe)
+_RENDER_RECIPES = 1024  # render recipes (and shapes seen once) kept per renderer
 
 
 class GenericRenderer(GenericBridge, Renderer):
@@ -73,19 +73,20 @@ class GenericRenderer(GenericBridge, Renderer):
     the bridge come from probing the template when the renderer is built."""
 
     name = "generic"
-    turn_close = ""  # per instance, from the probe
+    turn_close = ""  # per template kwargs, from the probe (_read_kwargs)
 
     def __init__(self, tokenizer: Tokenizer, *, thinking_retention: str = "keep", **template_kwargs: Any) -> None:
-        if thinking_retention not in THINKING_RETENTION:
-            raise ValueError(f"thinking_retention must be one of {THINKING_RETENTION}, got {thinking_retention!r}")
         if tokenizer.chat_template is None:
             raise ValueError(f"{tokenizer.name_or_path} has no chat template for the generic renderer to render")
-        markers = tokenizer.markers
         # A vocabulary with added tokens for ordinary text (Gemma's newline and space runs, HTML tags):
         # message text is split on them as transformers does; only the markers stay text inside a message.
-        tokenizer = tokenizer.text_view
-        self.tokenizer = tokenizer
-        self.thinking_retention = thinking_retention
+        self._marker_ids = tokenizer.markers
+        super().__init__(tokenizer.text_view, thinking_retention=thinking_retention, **template_kwargs)
+
+    def _read_template(self) -> None:
+        """Compile and probe the template: what :class:`Renderer` reads from a hand-coded family's class
+        (the kwargs it takes, its reasoning levels, tools, history arguments) comes from the probe here."""
+        tokenizer, markers = self.tokenizer, self._marker_ids
         self.template = compile_template(tokenizer.chat_template)
         self.special = {k: v for k, v in (("bos_token", tokenizer.bos_token), ("eos_token", tokenizer.eos_token)) if v}
         self._markers = tuple(sorted(markers))
@@ -98,13 +99,11 @@ class GenericRenderer(GenericBridge, Renderer):
         self._recipes: dict = {}  # bridge shape -> its splice recipe (renderers/generic_bridge.py)
         self._render_recipes: dict = {}  # conversation shape -> its render recipe (_render_by_recipe)
         self._render_shapes: dict = {}  # shapes rendered once (a recipe is built the second time)
-        base = self._probe({})
-        # per template, not per class: what the probe found
+        base = self._probe_for({})
         self.template_kwargs_allowed = dict(base.kwargs)
         self.reasoning_efforts = base.reasoning_efforts
         self.supports_tools = base.tools
         self.history_arguments = base.history_arguments
-        self.template_kwargs = self.check_template_kwargs(template_kwargs)
         added = tokenizer.added_tokens
         # the reasoning pair of the vocabulary's dialect (``<think>``, Gemma 4's channel markers, ...)
         dialect = dialect_for(tokenizer)
@@ -112,17 +111,25 @@ class GenericRenderer(GenericBridge, Renderer):
         pair = ("<tool_call>", "</tool_call>")
         self.tool_call_ids = (added[pair[0]], added[pair[1]]) if all(t in added for t in pair) else None
 
+    def _read_kwargs(self) -> None:
+        """The probe for ``self.template_kwargs``, and the turn-closing and stop ids it found. Stops are
+        the probe's turn-closing tokens, then the tokenizer's end-of-sequence ids; never one of the
+        dialect's structural markers. A template with no end-of-turn token (GLM: the next role tag ends
+        a turn) renders a tool-call turn ending in ``</tool_call>``, which the probe reads as a stop; sent
+        to an engine, it would end the turn after the first of several parallel calls."""
+        probe = self.probe = self._probe_for(self.template_kwargs)
+        tok = self.tokenizer
+        self.turn_close_id = tok.added_tokens[probe.turn_close] if probe.turn_close else -1
+        dialect = dialect_for(tok)
+        structure = set() if dialect is None else {
+            *(dialect.think_ids or ()), *(dialect.call_ids or ()), *(dialect.section_ids or ())}
+        stops = [i for i in (tok.added_tokens[t] for t in probe.stop_tokens) if i not in structure]
+        self.stop_token_ids = tuple(dict.fromkeys([*stops, *tok.eos_token_ids, *self._end_of_text]))
+
     # ---- probing ----------------------------------------------------------------------------------
 
-    def _probe(self, kwargs: dict[str, Any]) -> Probe:
-        last = self.__dict__.get("_last_probe")
-        if last is not None and last[0] is kwargs:  # the common case: the same kwargs dict as the last call
-            return last[1]
-        probe = self._probe_for(kwargs)
-        self._last_probe = (kwargs, probe)
-        return probe
-
     def _probe_for(self, kwargs: dict[str, Any]) -> Probe:
+        """The probe for these template kwargs: per renderer, then per template and tokenizer backend."""
         local = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
         probe = self._probes.get(local)
         if probe is not None:
@@ -139,36 +146,6 @@ class GenericRenderer(GenericBridge, Renderer):
             _PROBE_CACHE[key] = (backend, probe)
         self._probes[local] = probe
         return probe
-
-    @property
-    def probe(self) -> Probe:
-        """The probe for the current template kwargs."""
-        return self._probe(self.template_kwargs)
-
-    @property  # type: ignore[override]
-    def turn_close_id(self) -> int:
-        """The added token that closes an assistant turn (-1 where the template has none)."""
-        close = self.probe.turn_close
-        return self.tokenizer.added_tokens[close] if close else -1
-
-    @property  # type: ignore[override]
-    def stop_token_ids(self) -> tuple[int, ...]:
-        """The probe's turn-closing tokens, then the tokenizer's end-of-sequence ids; never one of the
-        dialect's structural markers. A template with no end-of-turn token (GLM: the next role tag ends
-        a turn) renders a tool-call turn ending in ``</tool_call>``, which the probe reads as a stop; sent
-        to an engine, it would end the turn after the first of several parallel calls."""
-        probe = self.probe
-        cached = self.__dict__.get("_stops")
-        if cached is not None and cached[0] is probe:
-            return cached[1]
-        tok = self.tokenizer
-        dialect = dialect_for(tok)
-        structure = set() if dialect is None else {
-            *(dialect.think_ids or ()), *(dialect.call_ids or ()), *(dialect.section_ids or ())}
-        stops = [i for i in (tok.added_tokens[t] for t in probe.stop_tokens) if i not in structure]
-        ids = tuple(dict.fromkeys([*stops, *tok.eos_token_ids, *self._end_of_text]))
-        self._stops = (probe, ids)
-        return ids
 
     @property
     def capabilities(self) -> Capabilities:
@@ -355,11 +332,13 @@ class GenericRenderer(GenericBridge, Renderer):
 
     def _specials_of_defused(self, text: str, defuse: str) -> list[tuple[int, int, int]]:
         """Added-token strings of a defused render, at their positions once the defuse characters are gone."""
+        if self._added_re is None:
+            return []
         out = []
         removed = 0
         pos = 0
         ids = self.tokenizer.added_tokens
-        for m in self._added_re.finditer(text):  # type: ignore[union-attr]
+        for m in self._added_re.finditer(text):
             removed += text.count(defuse, pos, m.start())
             pos = m.start()
             out.append((m.start() - removed, m.end() - removed, ids[m.group()]))
@@ -407,20 +386,20 @@ class GenericRenderer(GenericBridge, Renderer):
         (and the whitespace after it), or right where message i-1's text ends when there is none (DeepSeek's
         user turns have no close). None when that does not apply: the caller renders prefixes instead."""
         n = len(msgs)
-        if any(f is None for f in first_content) or any(
-            first_content[i] < last_content[i - 1] for i in range(1, n)  # type: ignore[operator]
-        ):
+        firsts = [f for f in first_content if f is not None]
+        lasts = [e for e in last_content if e is not None]
+        if len(firsts) < n or len(lasts) < n or any(firsts[i] < lasts[i - 1] for i in range(1, n)):
             return None
         probe = self.probe
         added = self.tokenizer.added_tokens
         closer_ids = {added[t] for t in (*probe.stop_tokens, probe.history_close) if t}
         head = None if bridging else self._try_text([], tools, False)
         b0 = common_prefix(head, real) if head is not None else 0
-        starts = [min(snap(b0, specials, {}), first_content[0])]  # type: ignore[type-var]
-        ends = [*first_content[1:], len(real)]
+        starts = [min(snap(b0, specials, {}), firsts[0])]
+        ends = [*firsts[1:], len(real)]
         special_starts = [s for s, _, _ in specials]
         for i in range(1, n + 1):
-            lo, hi = last_content[i - 1], ends[i - 1]
+            lo, hi = lasts[i - 1], ends[i - 1]
             b = lo
             k = bisect_left(special_starts, lo)
             while k < len(specials) and specials[k][1] <= hi:
@@ -433,7 +412,7 @@ class GenericRenderer(GenericBridge, Renderer):
                     if not gap.strip():
                         b = e + len(gap)
                     break
-            starts.append(b)  # type: ignore[arg-type]
+            starts.append(b)
         return starts
 
     def _try_text(self, msgs: list[dict], tools, agp: bool) -> str | None:

@@ -276,7 +276,9 @@ class GenericBridge:
         for _s, e, tid in specials:
             if e == end:
                 return tid
-        return self.tokenizer.added_tokens[self.probe.history_close]  # type: ignore[index]
+        close = self.probe.history_close
+        assert close is not None, "a bridged render needs the probe's history close (capabilities.bridge)"
+        return self.tokenizer.added_tokens[close]
 
     def _rewrites_history(self, history, tools, full, cut, anchor, prefix_len) -> Break | None:
         """``thinking_retention="template"``: would the template render the sampled turn (or the prompt
