@@ -4,7 +4,9 @@
         [--set group_size=8 ...] [--resume] [--dry-run]
 
 The config file travels with the job (the working directory is uploaded as the job's runtime_env,
-without .venv, out/ and caches); the job runs ``tito run CONFIG --address auto`` on the cluster,
+without .venv, out/ and caches). The renderer package goes as a py_module: the uploaded tree has it as
+``renderers/``, the name it is installed from, so a copy named ``tito_renderers`` is staged under
+out/launch/ for Ray to put on the job's PYTHONPATH. The job runs ``tito run CONFIG --address auto`` on the cluster,
 so engine and renderer actors are placed by Ray across its nodes. The config is validated here first,
 so a typo fails before anything is submitted. ``--dry-run`` prints the command instead of running it.
 
@@ -16,7 +18,9 @@ retried until ``--agent-wait`` seconds (default 60) have passed; every other fai
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -32,10 +36,40 @@ sys.path.insert(0, str(REPO))
 from rollout.config import ConfigError, load_config  # noqa: E402
 
 EXCLUDES = [".venv", "out", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache"]
+STAGE = REPO / "out" / "launch"  # where the renderer package is staged (out/ is ignored by git and the upload)
 # Ray's job head (dashboard/modules/job/job_head.py, submit_job) answers this, with HTTP 500, when the head
 # node's job agent has not registered within its own 10 s: the job was not submitted, so trying again is safe
 NO_AGENT = "No available agent to submit job"
 RETRY_PAUSE_S = 2.0
+
+
+def stage_renderers(into: Path = STAGE) -> Path:
+    """A copy of renderers/ named ``tito_renderers`` (pyproject.toml installs the directory under that
+    name; Ray's py_modules names a module after its directory), under a folder named by the sha256 of its
+    files: a launch never changes a copy that an earlier launch may still be uploading."""
+    files = sorted(p for p in (REPO / "renderers").rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    dest = into / digest.hexdigest()[:16] / "tito_renderers"
+    if not dest.is_dir():
+        partial = dest.parent / f".tito_renderers.{os.getpid()}"
+        shutil.copytree(REPO / "renderers", partial, ignore=shutil.ignore_patterns("__pycache__"))
+        try:
+            partial.rename(dest)
+        except OSError:  # a concurrent launch staged the same files first
+            shutil.rmtree(partial, ignore_errors=True)
+    return dest
+
+
+def runtime_env(args: argparse.Namespace) -> dict:
+    """The job's runtime_env: this tree as its working directory, the staged renderer package as a
+    py_module, offline model loading."""
+    env = {"working_dir": str(REPO), "excludes": EXCLUDES, "py_modules": [str(stage_renderers())],
+           "env_vars": {"HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}}
+    if args.pip:
+        env["pip"] = args.pip
+    return env
 
 
 def build_command(args: argparse.Namespace) -> list[str]:
@@ -44,17 +78,14 @@ def build_command(args: argparse.Namespace) -> list[str]:
         rel = config.resolve().relative_to(REPO)
     except ValueError:
         raise SystemExit(f"{config}: the config must live inside the repository so that it is uploaded with the job") from None
-    runtime_env = {"working_dir": str(REPO), "excludes": EXCLUDES,
-                   "env_vars": {"HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}}
-    if args.pip:
-        runtime_env["pip"] = args.pip
+    env = runtime_env(args)
     entry = [args.python, "-m", "actors.cli", "run", str(rel), "--address", "auto", "--quiet"]
     for item in args.set:
         entry += ["--set", item]
     if args.resume:
         entry.append("--resume")
     ray = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
-    cmd = [ray, "job", "submit", "--address", args.address, "--runtime-env-json", json.dumps(runtime_env)]
+    cmd = [ray, "job", "submit", "--address", args.address, "--runtime-env-json", json.dumps(env)]
     if args.no_wait:
         cmd.append("--no-wait")
     return cmd + ["--"] + entry

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -249,19 +250,24 @@ def test_a_merged_install_is_refused_then_repaired(env, tmp_path):
     check_both_work(merged.probe(tmp_path), merged.site)
 
 
-def test_an_uninstalled_source_tree_maps_tito_renderers(env, tmp_path):
-    """A copy of the tree that is not installed (a Ray job's working_dir) in a venv without tito: before rollout
-    is imported there is no `tito_renderers`; after, it is the tree's renderers/ directory."""
+def test_an_uninstalled_source_tree_runs_with_the_staged_renderer_package(env, tmp_path):
+    """A copy of the tree that is not installed (a Ray job's working_dir) in a venv without tito: it has no
+    `tito_renderers` of its own (no hidden fallback); with the copy scripts/launch_rollouts.py stages for
+    the job's py_modules on PYTHONPATH, as Ray puts it there, rollout imports and uses that copy."""
     tree = _copy_tree(tmp_path / "working_dir")
     venv = Venv(tmp_path / "venv", env["inherit"])
-    code = ("import importlib.util\n"
-            "assert importlib.util.find_spec('tito_renderers') is None\n"
-            "import rollout.models, tito_renderers\n"
+    code = ("import tito_renderers, rollout.models\n"
             "print(tito_renderers.__file__, tito_renderers.create_renderer.__module__)\n")
-    done = subprocess.run([str(venv.python), "-c", code], capture_output=True, text=True, timeout=300, cwd=tree,
+    bare = subprocess.run([str(venv.python), "-c", code], capture_output=True, text=True, timeout=300, cwd=tree,
                           env=_python_env())
+    assert bare.returncode == 1 and "No module named 'tito_renderers'" in bare.stderr, bare.stderr[-3000:]
+    launch = runpy.run_path(str(REPO / "scripts" / "launch_rollouts.py"))
+    staged = launch["stage_renderers"](tmp_path / "stage")
+    assert staged.name == "tito_renderers"
+    done = subprocess.run([str(venv.python), "-c", code], capture_output=True, text=True, timeout=300, cwd=tree,
+                          env={**_python_env(), "PYTHONPATH": str(staged.parent)})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == [str(tree / "renderers" / "__init__.py"), "tito_renderers.registry"]
+    assert done.stdout.split() == [str(staged / "__init__.py"), "tito_renderers.registry"]
 
 
 def test_the_checkout_name_renderers_without_pypi_renderers_is_refused(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -115,6 +116,15 @@ def test_submit_to_a_cluster(ray_head, tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert json.loads((out / "_summary.json").read_text())["rollouts"] == 4
     assert list(out.glob("data/*.arrow"))
+    # where the job's `tito_renderers` came from: the staged py_module Ray unpacked, not this checkout
+    plan = subprocess.run([*LAUNCH, "--address", ray_head, "--dry-run", "configs/demo.yaml"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    submit = shlex.split(plan.stdout)[: shlex.split(plan.stdout).index("--")]
+    probe = [*submit, "--", sys.executable, "-c", "import tito_renderers; print('FROM', tito_renderers.__file__)"]
+    done = subprocess.run(probe, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    origin = next(line.split()[1] for line in done.stdout.splitlines() if line.startswith("FROM "))
+    assert "runtime_resources" in origin and origin.endswith("tito_renderers/__init__.py"), origin
 
 
 def test_a_bad_config_is_refused_before_submitting():
