@@ -163,14 +163,8 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
     if out_dir.exists() and output_shards(out_dir) and not resume:
         raise ValueError(f"output directory {out_dir} already holds shards: pass --resume to continue it, "
                          "or choose another output.dir")
-    startup.check_output_dir(out_dir)
-    startup.check_engine_options(cfg.engine.backend, cfg.engine.options)
-    engine_cpus, cpu_note = None, None
     local_ray = not cfg.ray.address and not ray.is_initialized()
-    if not cfg.ray.address:  # first: a run that cannot start says so in seconds, before any loading
-        startup.check_vllm_here(cfg.engine)
-    if local_ray:
-        engine_cpus, cpu_note = startup.fit_cpus(cfg, startup.local_ray_cpus(cfg.ray))
+    engine_cpus, cpu_note = startup.preflight(cfg, out_dir)  # a run that cannot start says so in seconds
     env = make_env(cfg.env.name, **cfg.env.options)
     if cfg.tasks.path:  # a bad or repeated row is named (file and line) before the model is loaded
         tasks = load_tasks(cfg.tasks.path).tasks[: cfg.tasks.count]

@@ -3,8 +3,8 @@
 Both commands do the same steps in the same order; each step is one function here, typed on what their
 configs share (:class:`~rollout.config.StartupConfig`):
 
-1. preflight, before anything loads: :func:`check_engine_options`, :func:`check_vllm_here`,
-   :func:`fit_cpus` and :func:`check_output_dir` (``tito run`` writes there);
+1. :func:`preflight`, before anything loads: :func:`check_output_dir`, :func:`check_engine_options`,
+   :func:`check_vllm_here` and :func:`fit_cpus`;
 2. :func:`find_model`, :func:`engine_specs` and :func:`create_parser`;
 3. :func:`init_ray` (a local Ray, or join ``ray.address``), then :func:`check_cluster_gpus` and
    :func:`wait_for_cluster_cpus` on a cluster;
@@ -78,6 +78,24 @@ class Placement(Protocol):
 
 
 # -- preflight: fail in seconds, with the reason, before anything loads ------------------------------------
+
+
+def preflight(cfg: StartupConfig, out_dir: Path | None, *, engines_on_ray: bool = True) -> tuple[float | None, str | None]:
+    """Step 1 of both commands: every check that needs nothing loaded, so a start that cannot work stops in
+    seconds with the reason (a ValueError). ``out_dir``: where samples will be written (None: nowhere).
+    Returns :func:`fit_cpus`'s answer for the local Ray about to start; ``(None, None)`` joined to a cluster
+    (:func:`wait_for_cluster_cpus` checks there, once joined) or where the engines are not Ray actors."""
+    import ray
+
+    if out_dir is not None:
+        check_output_dir(out_dir)
+    check_engine_options(cfg.engine.backend, cfg.engine.options)
+    if cfg.ray.address:
+        return None, None
+    check_vllm_here(cfg.engine)
+    if ray.is_initialized() or not engines_on_ray:
+        return None, None
+    return fit_cpus(cfg, local_ray_cpus(cfg.ray))
 
 
 def check_engine_options(backend: str, options: Mapping[str, Any]) -> None:

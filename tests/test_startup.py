@@ -65,3 +65,24 @@ def test_a_signal_while_ray_starts_goes_to_the_handler_in_place_once_it_is_up():
     finally:
         signal.signal(signal.SIGTERM, before)
 
+
+
+def test_serve_runs_the_same_preflight_as_run_before_ray_starts(capsys, tmp_path):
+    """`tito serve` stops in seconds, rc 2, naming the problem, where `tito run` would: actors that a local Ray
+    could never place, an output directory it cannot write. Ray is not started for either."""
+    import ray
+
+    from rollout.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cases = [(["engine.backend=embedded", "engine.count=2", "engine.num_cpus=1", "ray.num_cpus=2"],
+              "they would wait forever; use --set engine.num_cpus="),
+             (["engine.backend=replay", f"output.dir={blocker / 'out'}"],
+              f"output.dir {blocker / 'out'}: is under {blocker}, a file")]  # fmt: skip
+    for settings, named in cases:
+        argv = ["serve", *(x for s in settings for x in ("--set", s))]
+        assert main(argv, RayPlacement()) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tito serve: error: ") and named in err, err
+        assert not ray.is_initialized()

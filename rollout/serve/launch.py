@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -38,13 +39,26 @@ def build_state(cfg: ServeConfig,
                 placement: startup.Placement) -> tuple[ServerState, list[EngineHandle | RendererHandle]]:
     """Start the actors a serve config describes, through ``placement`` (the engines too, unless
     ``engine_in_process``); returns the state and the actors (for ``placement.stop`` on exit)."""
-    startup.check_engine_options(cfg.engine.backend, cfg.engine.options)  # before anything loads
-    model_path = str(startup.find_model(cfg.model))
+    import ray
+
     out_dir = cfg.output.dir
+    local_ray = not cfg.ray.address and not ray.is_initialized()
+    # before anything loads: a server that cannot start says so in seconds
+    engine_cpus, cpu_note = startup.preflight(cfg, Path(out_dir) if out_dir else None,
+                                              engines_on_ray=not cfg.engine_in_process)
+    if cpu_note:
+        print(f"tito serve: note: {cpu_note}", file=sys.stderr, flush=True)
+    model_path = str(startup.find_model(cfg.model))
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-    specs = startup.engine_specs(cfg.engine, model_path)  # before Ray: a vLLM model is converted here
+    # before Ray: a vLLM model is converted here
+    specs = startup.engine_specs(cfg.engine, model_path, engine_cpus)
     startup.init_ray(cfg.ray)
+    if cfg.ray.address:
+        startup.check_cluster_gpus(cfg.engine)
+    if not local_ray and not cfg.engine_in_process:
+        startup.wait_for_cluster_cpus(cfg, engine_cpus, lambda line: print(f"tito serve: note: {line}",
+                                                                           file=sys.stderr, flush=True))
     if cfg.engine_in_process:
         # plain backends on the server's event loop (they bind to the loop that first uses them)
         backends = [asyncio.run(build_backend(s.kind, s.kwargs)) for s in specs for _ in range(s.replicas)]
@@ -178,8 +192,6 @@ class EngineWatch:
 def serve(cfg: ServeConfig, placement: startup.Placement) -> None:
     """``tito serve``: run until interrupted, then write open sessions (with an output dir) and stop the actors.
     Exits with status :data:`EXIT_ENGINES_LOST` once every engine actor died (see :class:`EngineWatch`)."""
-    import sys
-
     import uvicorn
 
     t0 = time.perf_counter()
