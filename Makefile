@@ -43,7 +43,7 @@ run: $(STAMP)
 	$(VENV)/bin/tito inspect out/demo --sample 0
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(addprefix --ignore=,$(E2E_TESTS))
+	$(PY) -m pytest -q --durations=20 $(addprefix --ignore=,$(E2E_TESTS))
 
 $(VLLM_STAMP): pyproject.toml scripts/setup_vllm_venv.sh
 	bash scripts/setup_vllm_venv.sh $(VENV_VLLM)
