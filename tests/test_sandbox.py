@@ -162,8 +162,10 @@ def test_works_with_the_python_installation_under_tmp(tmp_path: Path) -> None:
         python = venv / "bin" / "python"
         site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], check=True,
                               capture_output=True, text=True).stdout.strip()  # fmt: skip
-        ours = [p for p in sys.path if p.endswith("site-packages")]
-        Path(site, "tito-test.pth").write_text("\n".join([*ours, str(Path(__file__).resolve().parents[1])]))
+        # this venv's site-packages as site dirs, so that their own .pth files (tito's editable install,
+        # which provides tito_renderers) are read too; a plain path line would skip them
+        ours = [f"import site; site.addsitedir({p!r})" for p in sys.path if p.endswith("site-packages")]
+        Path(site, "tito-test.pth").write_text("\n".join([*ours, str(Path(__file__).resolve().parents[1])]) + "\n")
         code = "import subprocess, sys\nprint(sys.prefix)\nsubprocess.run([sys.executable, '-c', 'print(2 + 2)'])\n"
         probe = (
             "import asyncio, json\n"
