@@ -193,8 +193,9 @@ def _cpus_needed(cfg: StartupConfig, engine_cpus: float) -> tuple[float, str]:
     return need, f"{n} engine actor(s) x {engine_cpus:g} + {r} renderer actor(s) x {r_cpus:g} = {need:g} CPUs"
 
 
-def _default_engine_cpus(engine: EngineConfig) -> float:
-    return DEFAULT_RESOURCES[engine.backend]["num_cpus"]
+def _config_engine_cpus(engine: EngineConfig) -> float:
+    """CPUs per engine actor as the config says: ``engine.num_cpus``, else the backend's default."""
+    return engine.num_cpus if engine.num_cpus is not None else DEFAULT_RESOURCES[engine.backend]["num_cpus"]
 
 
 def fit_cpus(cfg: StartupConfig, available: float) -> tuple[float | None, str | None]:
@@ -203,7 +204,7 @@ def fit_cpus(cfg: StartupConfig, available: float) -> tuple[float | None, str | 
     what the renderer actors leave, in equal parts (``(share, a note saying so)``); otherwise, or where no
     share is left, a ValueError with the numbers and what to set. Without this Ray never places the actors
     it has no CPUs for, and the run waits forever at 0 rollouts."""
-    per_engine = cfg.engine.num_cpus if cfg.engine.num_cpus is not None else _default_engine_cpus(cfg.engine)
+    per_engine = _config_engine_cpus(cfg.engine)
     need, sums = _cpus_needed(cfg, per_engine)
     if need <= available + _RAY_CPU_STEP / 2:
         return None, None
@@ -223,10 +224,11 @@ def wait_for_cluster_cpus(cfg: StartupConfig, engine_cpus: float | None,
                           note: Callable[[str], None] | None) -> None:
     """Joined to a cluster (or a Ray started before the run): wait up to :data:`CLUSTER_CPU_WAIT_S` for its
     CPUs to hold every actor (nodes may still be joining), then stop with the numbers. A total that suffices
-    can still fail to place an actor whose CPUs no single node has free; that is Ray's to report."""
+    can still fail to place an actor whose CPUs no single node has free; that is Ray's to report.
+    ``engine_cpus``: :func:`fit_cpus`'s share where it gave one, else None (the config's CPUs per engine)."""
     import ray
 
-    need, sums = _cpus_needed(cfg, engine_cpus if engine_cpus is not None else _default_engine_cpus(cfg.engine))
+    need, sums = _cpus_needed(cfg, engine_cpus if engine_cpus is not None else _config_engine_cpus(cfg.engine))
     deadline = time.monotonic() + (CLUSTER_CPU_WAIT_S if cfg.ray.address else 0.0)
     while (have := ray.cluster_resources().get("CPU", 0.0)) < need - _RAY_CPU_STEP / 2:
         if time.monotonic() >= deadline:

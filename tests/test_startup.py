@@ -86,3 +86,26 @@ def test_serve_runs_the_same_preflight_as_run_before_ray_starts(capsys, tmp_path
         err = capsys.readouterr().err
         assert err.startswith("tito serve: error: ") and named in err, err
         assert not ray.is_initialized()
+
+
+def test_a_ray_started_before_the_server_is_checked_with_the_configs_engine_cpus(tmp_path_factory):
+    """Joined to a Ray already up (as the serve test fixtures and a cluster do), the CPU check counts
+    ``engine.num_cpus`` as set: two engines at 0.5 and a renderer at 0.25 fit 2 CPUs; at 1 each they do not,
+    and the error gives the sum it checked."""
+    import pytest
+    import ray
+
+    from rollout.startup import wait_for_cluster_cpus
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+             namespace="tito-test-startup-cpus", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+    try:
+        fits = load_config(None, ["engine.backend=embedded", "engine.count=2", "engine.num_cpus=0.5"])
+        wait_for_cluster_cpus(fits, None, note=None)
+        wait_for_cluster_cpus(fits, 0.875, note=None)  # fit_cpus's share, where it gave one, counts instead
+        too_many = load_config(None, ["engine.backend=embedded", "engine.count=2", "engine.num_cpus=1"])
+        with pytest.raises(ValueError, match=r"2 engine actor\(s\) x 1 \+ 1 renderer actor\(s\) x 0.25 = 2.25 CPUs "
+                                             r"but the Ray cluster has 2 CPUs"):
+            wait_for_cluster_cpus(too_many, None, note=None)
+    finally:
+        ray.shutdown()
