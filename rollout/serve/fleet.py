@@ -19,6 +19,11 @@ from ..engines.protocol import EngineInfo, GenerateOutput, GenerateRequest
 from ..handles import EngineHandle
 from ..routing import StickyLeastLoaded
 
+# An engine ignores an abort for a request id it has not received (as vLLM does), and the fleet places a
+# request before its engine call arrives: on Ray an abort travels in the control concurrency group and can
+# overtake the generate call. So an abort that found nothing is sent again this often while the request runs.
+ABORT_RETRY_S = 0.02
+
 
 class EngineUnavailable(RuntimeError):
     """The engine died (or every engine is gone): the request fails with 503, the server keeps serving."""
@@ -104,7 +109,7 @@ class Fleet:
                 # cancelling the wait does not reach an actor: tell the engine to stop this request, and
                 # collect what it returns (finish_reason "abort") so the metrics see how it ended
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(engine.abort(rid))
+                    await asyncio.shield(self._abort_on(engine, rid, ended=running.done))
                 self._abandoned.add(asyncio.ensure_future(self._collect(running)))
                 raise
             except Exception as exc:
@@ -201,9 +206,24 @@ class Fleet:
         """Abort running requests (their results come back with finish_reason "abort"); returns the ids
         that were running. Unknown ids are ignored, as vLLM does."""
         targets = [(rid, self.where[rid]) for rid in request_ids if rid in self.where]
-        done = await asyncio.gather(*(self.engines[i].abort(rid) for rid, i in targets),
+        def ended(rid: str, index: int) -> Callable[[], bool]:
+            return lambda: self.where.get(rid) != index
+
+        done = await asyncio.gather(*(self._abort_on(self.engines[i], rid, ended(rid, i)) for rid, i in targets),
                                     return_exceptions=True)
         return [rid for (rid, _), ok in zip(targets, done) if ok is True]
+
+    @staticmethod
+    async def _abort_on(engine: EngineHandle, rid: str, ended: Callable[[], bool]) -> bool:
+        """Abort ``rid`` on ``engine``, sent again every :data:`ABORT_RETRY_S` while the engine has not
+        received it yet and ``ended()`` is false. True once the engine aborted it; False when the request
+        ended first (or the engine had already aborted it)."""
+        while True:
+            if await engine.abort(rid):
+                return True
+            if ended():
+                return False
+            await asyncio.sleep(ABORT_RETRY_S)
 
     async def pause(self, mode: str = "wait") -> None:
         """Stop admitting requests (they wait, they are not refused). ``wait``: return once the running ones
