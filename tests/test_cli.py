@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 from ._support import REPO, smollm2_gguf, tokenizer_dir
 
@@ -69,3 +74,47 @@ def test_template_file_and_capabilities():
     assert "thinking switch: yes" in qwen3.stdout and "kwargs     enable_thinking" in qwen3.stdout
     missing = tito("template", str(tokenizer_dir("qwen3-0.6b")), "--chat-template", "/no/such.jinja")
     assert missing.returncode == 2 and "cannot read chat template file" in missing.stderr
+
+
+def test_tito_serve_command_starts_serves_and_stops(tmp_path, capsys):
+    from actors.cli import main
+
+    # a config error is reported before anything starts; the server below runs its engine in-process
+    assert main(["serve", "--set", "sessions.idle_timeout=3"]) == 2
+    assert "sessions.idle_timeout: unknown key" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {tokenizer_dir('qwen2.5-7b-instruct')}\nserved_model_name: cli-test\nengine:\n  backend: replay\n"
+                      f"  options: {{synthetic: true, vocab_size: 151665, max_model_len: 256}}\nengine_in_process: true\n"
+                      f"ray:\n  num_cpus: 1\n")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "serve", str(config), "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "tito serve did not come up"
+                time.sleep(0.25)
+        with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+            card = json.loads(r.read())["data"][0]
+        assert card["id"] == "cli-test" and card["max_model_len"] == 256
+        req = urllib.request.Request(url + "/inference/v1/generate", method="POST", data=json.dumps({
+            "model": "cli-test", "token_ids": [1, 2], "sampling_params": {"max_tokens": 3}}).encode())
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert len(json.loads(r.read())["choices"][0]["token_ids"]) == 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0 and "tito serve: cli-test on http://127.0.0.1" in out

@@ -590,57 +590,6 @@ def test_fleet_sticky_per_key_falls_back_to_least_loaded_and_forgets_keyless():
     asyncio.run(main())
 
 
-# ---- the command line ----------------------------------------------------------------------------
-
-
-def test_tito_serve_command_starts_serves_and_stops(tmp_path, capsys):
-    import signal
-    import subprocess
-    import sys
-
-    from actors.cli import main
-
-    # a config error is reported before anything starts; the server below runs its engine in-process
-    assert main(["serve", "--set", "sessions.idle_timeout=3"]) == 2
-    assert "sessions.idle_timeout: unknown key" in capsys.readouterr().err
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = tmp_path / "serve.yaml"
-    config.write_text(f"model: {tokenizer_dir(QWEN)}\nserved_model_name: cli-test\nengine:\n  backend: replay\n"
-                      f"  options: {{synthetic: true, vocab_size: {VOCAB}, max_model_len: 256}}\nengine_in_process: true\n"
-                      f"ray:\n  num_cpus: 1\n")
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "serve", str(config), "--port", str(port)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "tito serve did not come up"
-                time.sleep(0.25)
-        with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
-            card = json.loads(r.read())["data"][0]
-        assert card["id"] == "cli-test" and card["max_model_len"] == 256
-        req = urllib.request.Request(url + "/inference/v1/generate", method="POST", data=json.dumps({
-            "model": "cli-test", "token_ids": [1, 2], "sampling_params": {"max_tokens": 3}}).encode())
-        with urllib.request.urlopen(req, timeout=10) as r:
-            assert len(json.loads(r.read())["choices"][0]["token_ids"]) == 3
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert proc.returncode == 0 and "tito serve: cli-test on http://127.0.0.1" in out
-
-
 # ---- an engine that fails requests (no Ray: plain backends behind the same app) -------------------
 
 
