@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -197,6 +198,17 @@ def run_in_venv(root: Path, script: str, *args: str, cwd: Path, timeout: float =
                           timeout=timeout, cwd=cwd, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def interrupt(proc: subprocess.Popen, timeout: float = 60) -> str:
+    """Stop a server this test started as a user would (one Ctrl-C) and return the rest of its stdout;
+    one still running after ``timeout`` is killed and the test fails."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
 
 
 # The embedded SmolLM2 engine, sized to share this 2-core machine with the test process and Ray

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
-from ._support import REPO, smollm2_gguf, tokenizer_dir
+from ._support import REPO, interrupt, smollm2_gguf, tokenizer_dir
 
 
 def tito(*args: str) -> subprocess.CompletedProcess:
@@ -111,10 +110,5 @@ def test_tito_serve_command_starts_serves_and_stops(tmp_path, capsys):
         with urllib.request.urlopen(req, timeout=10) as r:
             assert len(json.loads(r.read())["choices"][0]["token_ids"]) == 3
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            out, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        out = interrupt(proc)
     assert proc.returncode == 0 and "tito serve: cli-test on http://127.0.0.1" in out

@@ -9,7 +9,6 @@ import io
 import os
 import re
 import select
-import signal
 import struct
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from rollout.handles import LocalEngine
 from rollout.loop import RolloutDriver, RolloutOutcome
 from rollout.progress import Progress
 
-from ._support import REPO, ours, tokenizer_dir
+from ._support import REPO, interrupt, ours, tokenizer_dir
 
 QWEN = "qwen2.5-7b-instruct"
 VOCAB = 151665  # the Qwen2.5 fixture's vocabulary
@@ -223,10 +222,5 @@ def test_serve_prints_a_ready_line_with_the_bound_url(tmp_path):
         with urllib.request.urlopen(url.group(1) + "/health", timeout=10) as r:
             assert r.status == 200
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            rest, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        rest = interrupt(proc)
     assert "\x1b" not in "".join(lines) + rest + (tmp_path / "stderr").read_text()
