@@ -119,6 +119,22 @@ class OutputConfig(_Strict):
                                                           "(0: a file per group); groups never straddle files")
 
 
+class FollowConfig(_Strict):
+    """``tito run --follow RUN_DIR`` (continuous RL, docs/follow.md): batches of groups written while a trainer
+    trains, the trainer's weights loaded as they are published."""
+
+    groups_per_step: int = Field(8, ge=1, description="groups (tasks x group_size rollouts) in each batch")
+    max_steps: int | None = Field(None, ge=1, description="seal this many batches, then stop; none = until a signal")
+    max_off_policy_steps: int = Field(1, ge=0, description=(
+        "S: every sampled token of batch k comes from a version >= k - 1 - S (0 = on-policy). It also bounds the "
+        "lead: with no new weights the service seals at most S + 1 batches ahead of the trainer, then waits"))
+    inflight: Literal["abort_resume", "drain", "keep"] = Field("abort_resume", description=(
+        "rollouts running when new weights arrive: abort_resume (stop them, keep their sampled tokens stamped with "
+        "the old version, continue under the new weights), drain (finish them on the old weights first), keep "
+        "(continue under the new weights where the engine stops; versions stamped per token)"))
+    poll_interval_s: float = Field(0.5, gt=0, le=60, description="how often broadcasts/ is scanned for new weights")
+
+
 class RayConfig(_Strict):
     address: str | None = Field(None, description="join this cluster; none = start a local Ray")
     num_cpus: int | None = None
@@ -140,6 +156,7 @@ class RunConfig(_Strict):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    follow: FollowConfig = Field(default_factory=FollowConfig)
 
     @model_validator(mode="after")
     def _budgets(self) -> RunConfig:

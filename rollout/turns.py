@@ -19,8 +19,11 @@ class SampledTurn(msgspec.Struct, frozen=True):
     index: int  # the turn's index in its rollout (0 for the first)
     completion_ids: list[int]
     logprobs: list[float] | None
-    weight_version: int
+    weight_version: int  # the version that sampled the turn (the lowest, when ``versions`` is given)
     assistant: dict[str, Any]  # the parsed assistant message
+    # the version that sampled each completion token, where the turn spans several (a weight update
+    # stopped it and it went on under the new weights: follow mode's abort_resume); None: all weight_version
+    versions: list[int] | None = None
 
 
 class SegmentBreak(msgspec.Struct, frozen=True):

@@ -1,0 +1,64 @@
+"""The run directory that a trainer and ``tito run --follow`` share, and nothing else.
+
+::
+
+    RUN_DIR/
+      broadcasts/step_N/      the trainer's weights for version N: *.safetensors + config.json, then an
+                              empty STABLE file written last (a directory without STABLE is never read)
+      rollouts/step_k/        batch k (k = 1, 2, ...): a complete ``tito run`` output directory
+                              (data/ shards, _summary.json, then _manifest.json written last: its
+                              presence means the batch is sealed and will never change)
+      metrics.jsonl           one JSON object per sealed batch
+
+Version N is the policy after N trainer steps (0 = the model the service started with). Batch k is
+what the trainer's step k trains on, so the on-policy version for batch k is k - 1.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+BROADCASTS = "broadcasts"
+ROLLOUTS = "rollouts"
+STABLE = "STABLE"
+METRICS = "metrics.jsonl"
+SEALED = "_manifest.json"  # rollout.shards.MANIFEST: written last, so it marks a sealed batch
+
+_STEP = re.compile(r"step_(\d+)")
+
+
+def broadcast_dir(run_dir: str | Path, version: int) -> Path:
+    return Path(run_dir) / BROADCASTS / f"step_{version}"
+
+
+def step_dir(run_dir: str | Path, k: int) -> Path:
+    return Path(run_dir) / ROLLOUTS / f"step_{k}"
+
+
+def step_number(path: Path) -> int | None:
+    """N of a ``step_N`` directory name; None for any other name (temporaries, stray files)."""
+    m = _STEP.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
+def stable_versions(run_dir: str | Path) -> list[int]:
+    """The versions whose broadcast is complete (``STABLE`` present), ascending."""
+    root = Path(run_dir) / BROADCASTS
+    if not root.is_dir():
+        return []
+    found = (step_number(p) for p in root.iterdir() if p.is_dir() and (p / STABLE).is_file())
+    return sorted(n for n in found if n is not None)
+
+
+def is_sealed(run_dir: str | Path, k: int) -> bool:
+    return (step_dir(run_dir, k) / SEALED).is_file()
+
+
+def step_dirs(run_dir: str | Path) -> dict[int, Path]:
+    """Every ``rollouts/step_k`` directory, sealed or not, by k."""
+    root = Path(run_dir) / ROLLOUTS
+    if not root.is_dir():
+        return {}
+    found = {step_number(p): p for p in root.iterdir() if p.is_dir()}
+    return {k: p for k, p in found.items() if k is not None}
