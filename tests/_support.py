@@ -200,9 +200,18 @@ def run_in_venv(root: Path, script: str, *args: str, cwd: Path, timeout: float =
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def sigint_default() -> None:
+    """``preexec_fn`` for a subprocess that a test stops with SIGINT: it starts with SIGINT at its default, as under
+    a terminal, however pytest itself was started. A background job (``make test &`` in a script, a CI wrapper)
+    inherits SIGINT ignored (POSIX), and so would the child: Python would install no KeyboardInterrupt handler in
+    it, and a SIGINT to its process group would not reach Ray's processes the way Ctrl-C does. (``subprocess``'s
+    ``restore_signals`` restores SIGPIPE, SIGXFZ and SIGXFSZ, not SIGINT.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(proc: subprocess.Popen, timeout: float = 60) -> str:
-    """Stop a server this test started as a user would (one Ctrl-C) and return the rest of its stdout;
-    one still running after ``timeout`` is killed and the test fails."""
+    """Stop a server this test started (with ``preexec_fn=sigint_default``) as a user would (one Ctrl-C) and
+    return the rest of its stdout; one still running after ``timeout`` is killed and the test fails."""
     proc.send_signal(signal.SIGINT)
     try:
         return proc.communicate(timeout=timeout)[0]

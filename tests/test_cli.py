@@ -10,7 +10,7 @@ import sys
 import time
 import urllib.request
 
-from ._support import REPO, interrupt, smollm2_gguf, tokenizer_dir
+from ._support import REPO, interrupt, sigint_default, smollm2_gguf, tokenizer_dir
 
 
 def tito(*args: str) -> subprocess.CompletedProcess:
@@ -90,7 +90,8 @@ def test_tito_serve_command_starts_serves_and_stops(tmp_path, capsys):
                       f"ray:\n  num_cpus: 1\n")
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "serve", str(config), "--port", str(port)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_default)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120

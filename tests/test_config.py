@@ -211,12 +211,28 @@ def test_engines_share_the_local_cpus_or_the_run_stops_with_the_numbers():
 
 # Signals, with real signals to this process: only the first stops a run; during ray.init it waits.
 
-def test_only_the_first_signal_interrupts():
+@pytest.fixture(params=["default_int_handler", "SIG_IGN"])
+def sigint_found(request):
+    """SIGINT as a Python process finds it: Python's KeyboardInterrupt handler, or ignored where the process was
+    started as a background job (``make test &`` in a script: POSIX has the shell ignore SIGINT for it, and
+    Python then installs no handler). The signal helpers must restore it either way."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, getattr(signal, request.param))
+    try:
+        yield signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_only_the_first_signal_interrupts(sigint_found):
     import os
     import signal
 
     from rollout.run import RunInterrupted, _signals_raise
 
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    assert before[signal.SIGINT] is sigint_found
     with pytest.raises(RunInterrupted) as first, _signals_raise():
         os.kill(os.getpid(), signal.SIGTERM)
         signal.pthread_sigmask(signal.SIG_BLOCK, [])  # a point where the handler runs
@@ -227,10 +243,10 @@ def test_only_the_first_signal_interrupts():
             signal.pthread_sigmask(signal.SIG_BLOCK, [])
         os.kill(os.getpid(), signal.SIGINT)
         signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert {s: signal.getsignal(s) for s in before} == before  # what the block found, whatever that was
 
 
-def test_a_signal_while_ray_starts_is_raised_once_it_is_up():
+def test_a_signal_while_ray_starts_is_raised_once_it_is_up(sigint_found):
     import os
     import signal
 
@@ -239,7 +255,7 @@ def test_a_signal_while_ray_starts_is_raised_once_it_is_up():
     from rollout.run import RunInterrupted, _signals_raise
     from rollout.startup import signals_deferred
 
-    before = signal.getsignal(signal.SIGTERM)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with pytest.raises(RunInterrupted) as got, _signals_raise(), signals_deferred():
         ray_utils.set_sigterm_handler(lambda *_: None)  # what ray.init does: here a no-op
         os.kill(os.getpid(), signal.SIGTERM)
@@ -247,4 +263,4 @@ def test_a_signal_while_ray_starts_is_raised_once_it_is_up():
         signal.pthread_sigmask(signal.SIG_BLOCK, [])
         reached = True  # neither signal cut this block short
     assert reached and got.value.signum == signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert {s: signal.getsignal(s) for s in before} == before

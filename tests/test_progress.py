@@ -28,7 +28,7 @@ from rollout.handles import LocalEngine
 from rollout.loop import RolloutDriver, RolloutOutcome
 from rollout.progress import Progress
 
-from ._support import REPO, interrupt, ours, tokenizer_dir
+from ._support import REPO, interrupt, ours, sigint_default, tokenizer_dir
 
 QWEN = "qwen2.5-7b-instruct"
 VOCAB = 151665  # the Qwen2.5 fixture's vocabulary
@@ -209,7 +209,7 @@ def test_serve_prints_a_ready_line_with_the_bound_url(tmp_path):
                       "ray:\n  num_cpus: 1\n")
     err = (tmp_path / "stderr").open("w+")  # a file, not a pipe nobody reads: the server must never block on it
     proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "serve", str(config), "--port", "0"], cwd=REPO,
-                            env=_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+                            env=_env(), stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=sigint_default)
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120

@@ -19,7 +19,7 @@ import yaml
 
 from rollout.shards import MANIFEST, SUMMARY
 
-from ._support import REPO, tokenizer_dir
+from ._support import REPO, sigint_default, tokenizer_dir
 
 TASKS, G = 6, 2
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
@@ -47,7 +47,7 @@ def _run_until(config: str, sig: int, *, after: int, group: bool, resume: bool) 
     """Start ``tito run``, send ``sig`` once ``after`` rollouts are done (read off the progress lines)."""
     cmd = [sys.executable, "-m", "actors.cli", "run", config] + (["--resume"] if resume else [])
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=sigint_default)  # Ctrl-C as in a terminal
     seen = []
     try:
         for line in proc.stderr:
