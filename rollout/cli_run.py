@@ -37,9 +37,13 @@ def cmd_run(args, placement: Placement | None) -> int:
     # Ctrl-C / SIGTERM: one line and 128 + signal, never a traceback; later ones are ignored until the exit
     with _signals_raise(ignore_after=True):
         try:
-            summary = run(cfg, placement, resume=args.resume, progress=not args.quiet)
+            summary = run(cfg, placement, resume=args.resume, progress=not args.quiet, follow=args.follow)
         except RunInterrupted as exc:
-            if exc.summary is None:
+            if args.follow:
+                sealed = exc.summary["sealed"] if exc.summary else "no new"
+                print(f"tito run --follow: {exc}: {sealed} batches sealed in {args.follow}; the same command "
+                      "goes on from the next batch", file=sys.stderr)
+            elif exc.summary is None:
                 print(f"tito run: {exc}: before any rollout ran; nothing new written to {cfg.output.dir}",
                       file=sys.stderr)
             else:
@@ -48,6 +52,9 @@ def cmd_run(args, placement: Placement | None) -> int:
                       f"all in {cfg.output.dir}; rerun with --resume to finish", file=sys.stderr)
             return 128 + exc.signum
         else:
+            if args.follow:
+                print(f"tito run --follow: {args.follow}: {summary['sealed']} batches sealed")
+                return 0
             print(f"tito run: {cfg.output.dir}")
             print_summary(summary)
             return 0 if summary["rollouts"] else 1
@@ -85,6 +92,9 @@ def register(sub: argparse._SubParsersAction, placement: Placement | None) -> No
     run.add_argument("--out", help="output directory (default from the config)")
     run.add_argument("--resume", action="store_true", help="continue a run: skip groups already in the shards")
     run.add_argument("--quiet", action="store_true", help="no progress line")
+    run.add_argument("--follow", metavar="RUN_DIR",
+                     help="continuous RL: write batches to RUN_DIR/rollouts/step_k/ while loading the trainer's "
+                          "weights from RUN_DIR/broadcasts/step_N/ (docs/follow.md; settings: follow.*)")
     run.set_defaults(func=functools.partial(cmd_run, placement=placement))
 
     ins = sub.add_parser("inspect", help="summarise shards and show one sample with its trainable tokens")

@@ -11,6 +11,12 @@ rollout's token budget is spent. A rollout that raises or times out is recorded 
 the run goes on. An engine that dies mid-rollout is dropped from routing and the rollout is re-run
 from scratch on another engine (nothing of the failed attempt is written), so every task x group
 member appears exactly once.
+
+Weight updates mid-run (``tito run --follow``, rollout/follow/): :meth:`RolloutDriver.hold_for_update` closes
+a gate that new engine requests wait at and, in ``abort_resume`` mode, aborts the requests in flight. An aborted
+turn keeps the tokens and logprobs it sampled, stamped with the version that sampled them, and goes on after
+:meth:`RolloutDriver.release` as prompt + partial completion under the new weights: token-in makes the
+continuation exact (the same context, the rest of the budget), so nothing sampled is thrown away.
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ import hashlib
 import statistics
 from collections import Counter
 from collections.abc import Callable
+from typing import Literal
 
 import msgspec
 
 from tito_renderers import Renderer
 
 from .config import RunConfig
-from .engines.protocol import EngineInfo, GenerateRequest, SamplingParams
+from .engines.protocol import EngineInfo, GenerateRequest, GenerateResult, SamplingParams
 from .envs.base import Environment, Task
 from .handles import EngineHandle, RendererHandle
 from .routing import StickyLeastLoaded
@@ -54,6 +61,9 @@ class RolloutOutcome(msgspec.Struct):
     error: str | None = None
     advantage: float = 0.0
     last_turn: SampledTurn | None = None  # the final completion, recorded by the renderer with the samples
+    version_min: int | None = None  # the lowest and highest version that sampled any of its tokens (None: none)
+    version_max: int | None = None
+    withheld: str | None = None  # why its rows were not written (follow mode: too stale); its reward still counts
 
 
 def _is_actor_death(exc: BaseException) -> bool:
@@ -88,6 +98,13 @@ class RolloutDriver:
         self.finish_counts: Counter[str] = Counter()
         self.reruns = 0
         self.breaks = 0  # turns that could not be bridged (the renderer logs their reasons)
+        # weight updates (follow mode): requests wait at the gate while it is closed; ``_in_flight`` is every
+        # request at an engine (id -> engine index), ``_update_aborts`` those a weight update stopped
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._in_flight: dict[str, int] = {}
+        self._update_aborts: set[str] = set()
+        self.resumed_turns = 0  # turns a weight update stopped and that went on under the new weights
 
     # ---- groups ----------------------------------------------------------------------------------
 
@@ -95,29 +112,40 @@ class RolloutDriver:
         groups = await asyncio.gather(*(self.run_group(task, gi) for gi, task in enumerate(tasks)))
         return [o for group in groups for o in group]
 
-    async def run_group(self, task: Task, group_index: int) -> list[RolloutOutcome]:
-        group_id = f"{task.task_id}"
+    async def run_group(self, task: Task, group_index: int, *, group_id: str | None = None,
+                        out_dir: str | None = None, min_version: int | None = None) -> list[RolloutOutcome]:
+        """The group's ``group_size`` rollouts, their advantages, and their rows handed to a renderer (to
+        ``out_dir`` when given). ``group_id`` names the group (default: the task id) and its rollouts
+        ``<group_id>#<i>``. With ``min_version``, a rollout that sampled any token under an older version is
+        withheld (``withheld`` says why; no row is written) but its reward still counts in the baseline."""
+        group_id = group_id or f"{task.task_id}"
         renderer = self.renderers[group_index % len(self.renderers)]
         outcomes = await asyncio.gather(
-            *(self._run_with_retries(task, group_id, f"{task.task_id}#{k}", renderer) for k in range(self.cfg.group_size))
+            *(self._run_with_retries(task, group_id, f"{group_id}#{k}", renderer) for k in range(self.cfg.group_size))
         )
         self._advantages(outcomes)
         s = self.cfg.sampling
         sampling = Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
-        items = [
-            Finished(o.rollout_id, RolloutMeta(
+        items = []
+        for o in outcomes:
+            if min_version is not None and o.version_min is not None and o.version_min < min_version:
+                o.withheld = f"stale: sampled by version {o.version_min} < {min_version}"
+                await renderer.discard(o.rollout_id)
+                continue
+            items.append(Finished(o.rollout_id, RolloutMeta(
                 task_id=o.task_id, group_id=o.group_id, finish_reason=o.finish_reason,
                 # the renderer holds the conversation up to the last turn: only what it never got is sent
                 messages=o.messages if o.unsent is None else None,
                 unsent_messages=o.messages[len(o.messages) - o.unsent:] if o.unsent else [],
                 reward=o.reward, reward_components=o.components, advantage=o.advantage, error=o.error,
                 sampling=sampling,
-            ), o.last_turn)
-            for o in outcomes
-        ]
+            ), o.last_turn))
         # one call, one unit for the shard writer: a group's rows always land in the same file, so a
         # resumed run finds every group either whole or absent
-        await renderer.finish_group(items)
+        if out_dir is None:
+            await renderer.finish_group(items)
+        else:
+            await renderer.finish_group(items, out_dir=out_dir)
         return list(outcomes)
 
     def _advantages(self, outcomes: list[RolloutOutcome]) -> None:
@@ -163,6 +191,7 @@ class RolloutDriver:
 
     async def _generate(self, request: GenerateRequest, session: str):
         index = self.router.acquire(session)
+        self._in_flight[request.request_id] = index
         try:
             return await self.engines[index].generate(request)
         except asyncio.CancelledError:
@@ -176,7 +205,68 @@ class RolloutDriver:
                 raise EngineDied(str(exc)) from exc
             raise
         finally:
+            self._in_flight.pop(request.request_id, None)
             self.router.release(index)
+
+    # ---- weight updates (follow mode) ------------------------------------------------------------
+
+    async def hold_for_update(self, mode: Literal["abort_resume", "drain", "keep"]) -> int:
+        """Stop sending requests until :meth:`release`, and return once the engines may load new weights:
+        ``abort_resume`` aborts the requests in flight (their turns go on under the new weights),
+        ``drain`` waits for them to finish on the old weights, ``keep`` returns at once (the engine finishes
+        them under the weights it has when each step runs; it stamps each token's version). Returns the
+        number of requests aborted."""
+        self._gate.clear()
+        aborted = 0
+        if mode == "abort_resume":
+            for rid, index in list(self._in_flight.items()):
+                self._update_aborts.add(rid)
+                with contextlib.suppress(Exception):  # a dead engine: its rollout is re-run elsewhere
+                    aborted += bool(await self.engines[index].abort(rid))
+        if mode != "keep":
+            # an abort that reached an engine before its request (Ray delivers them on separate queues) is
+            # ignored there, so that request runs to its end: waiting for it keeps every turn on one version
+            while self._in_flight:
+                await asyncio.sleep(0.01)
+        return aborted
+
+    def release(self) -> None:
+        """Let requests through again (after the engines loaded new weights, or gave up on them)."""
+        self._gate.set()
+
+    async def _sample_turn(self, request: GenerateRequest, session: str) -> tuple[GenerateResult, list[int] | None]:
+        """One turn's completion. A turn that a weight update aborted goes on from where it stopped (prompt +
+        partial completion, the rest of its token budget) once the gate opens; the pieces are joined, and the
+        per-token versions returned when they differ (None: one version sampled the whole turn)."""
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        piece = 0
+        while True:
+            await self._gate.wait()
+            req = request if piece == 0 else msgspec.structs.replace(
+                request, request_id=f"{request.request_id}.{piece}", prompt_ids=[*request.prompt_ids, *ids],
+                sampling=msgspec.structs.replace(
+                    request.sampling, max_tokens=request.sampling.max_tokens - len(ids),
+                    min_tokens=max(0, request.sampling.min_tokens - len(ids)),
+                    seed=None if request.sampling.seed is None else (request.sampling.seed + piece) % (1 << 32)))
+            out = await self._generate(req, session)
+            result = out.results[0]
+            resumed = result.finish_reason == "abort" and req.request_id in self._update_aborts
+            self._update_aborts.discard(req.request_id)
+            ids.extend(result.completion_ids)
+            logprobs.extend(result.logprobs or [0.0] * len(result.completion_ids))
+            versions.extend([result.weight_version] * len(result.completion_ids))
+            if resumed and len(ids) < request.sampling.max_tokens:
+                piece += 1
+                self.resumed_turns += piece == 1
+                continue
+            if piece == 0:
+                return result, None
+            finish = "length" if resumed else result.finish_reason  # the budget ran out exactly at the abort
+            joined = msgspec.structs.replace(result, completion_ids=ids, logprobs=logprobs, finish_reason=finish,
+                                             weight_version=min(versions) if versions else result.weight_version)
+            return joined, (versions if len(set(versions)) > 1 else None)
 
     def _seed(self, rollout_id: str, turn: int) -> int | None:
         base = self.cfg.sampling.seed
@@ -196,6 +286,7 @@ class RolloutDriver:
         finish = "max_turns"
         last_turn = None
         turns = 0
+        vmin = vmax = None  # the versions that sampled its tokens
         unsent = 0  # messages the renderer never got: the environment's answer to the last turn
         for turn in range(cfg.max_turns):
             max_tokens = min(cfg.max_tokens_per_turn, budget)
@@ -211,8 +302,7 @@ class RolloutDriver:
             )
             request = GenerateRequest(request_id=f"{rollout_id}/{turn}", prompt_ids=prompt, sampling=sampling,
                                       session_id=rollout_id)
-            out = await self._generate(request, rollout_id)
-            result = out.results[0]
+            result, versions = await self._sample_turn(request, rollout_id)
             turns = turn + 1
             if result.finish_reason in ("error", "abort"):
                 raise RuntimeError(f"engine finished turn {turn} with {result.finish_reason}: {result.error}")
@@ -220,7 +310,12 @@ class RolloutDriver:
             parsed = self.parser.parse_response(result.completion_ids, prompt, tools)
             assistant = parsed.to_message(arguments=self.parser.history_arguments)
             messages.append(assistant)
-            last_turn = SampledTurn(turn, result.completion_ids, result.logprobs, result.weight_version, assistant)
+            last_turn = SampledTurn(turn, result.completion_ids, result.logprobs, result.weight_version, assistant,
+                                    versions)
+            if result.completion_ids:
+                lo, hi = (min(versions), max(versions)) if versions else (result.weight_version,) * 2
+                vmin = lo if vmin is None else min(vmin, lo)
+                vmax = hi if vmax is None else max(vmax, hi)
             if result.finish_reason == "length":
                 finish = "length"
                 break
@@ -244,5 +339,6 @@ class RolloutDriver:
             rollout_id=rollout_id, task_id=task.task_id, group_id=group_id, finish_reason=finish,
             reward=float(score.reward), components=dict(score.components), messages=messages, unsent=unsent,
             turns=turns,
-            completion_tokens=cfg.max_tokens_per_rollout - budget, last_turn=last_turn,
+            completion_tokens=cfg.max_tokens_per_rollout - budget, last_turn=last_turn, version_min=vmin,
+            version_max=vmax,
         )

@@ -10,18 +10,20 @@ import contextlib
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from . import startup
 from .config import RunConfig
 from .handles import EngineHandle, RendererHandle
-from .loop import RolloutDriver, RolloutOutcome
+from .loop import RolloutDriver
 from .outputs import check_resume, complete_groups, drop_groups, remove_temporaries, write_failure, write_outputs
 from .progress import Progress, ready_line, startup_line
 from .shards import DATA_DIR, ShardWriteError, output_shards, read_table, write_error_of
 from .startup import STOP_SIGNALS, Placement, in_main_thread
+
+T = TypeVar("T")
 
 
 class RunInterrupted(Exception):
@@ -81,9 +83,9 @@ def _signals_ignored() -> Iterator[None]:
             signal.signal(s, h)
 
 
-async def _drive(driver: RolloutDriver, tasks: list, signals: list[int]) -> list[RolloutOutcome]:
-    """``driver.run(tasks)``; SIGINT/SIGTERM cancel it (running rollouts stop, finished groups were
-    already handed to the renderers) and are recorded in ``signals``."""
+async def _drive(work: Awaitable[T], signals: list[int]) -> T | None:
+    """Await ``work`` (``driver.run(tasks)``, or a follow service); SIGINT/SIGTERM cancel it (running rollouts
+    stop, finished groups were already handed to the renderers) and are recorded in ``signals``."""
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     installed = []
@@ -101,10 +103,10 @@ async def _drive(driver: RolloutDriver, tasks: list, signals: list[int]) -> list
         except (ValueError, RuntimeError):  # not the main thread: no signal handling
             pass
     try:
-        return await driver.run(tasks)
+        return await work
     except asyncio.CancelledError:
         if signals:
-            return []
+            return None
         raise
     finally:
         for s in installed:
@@ -150,16 +152,29 @@ def _this_run(out_dir: Path, closed: list[dict]) -> tuple[int, int]:
     return rollouts, tokens
 
 
-def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress: bool = True,
+        follow: str | Path | None = None) -> dict[str, Any]:
     """Run every task's group (skipping, with ``resume``, the groups complete on disk) on actors that
     ``placement`` starts, and return the summary written to ``_summary.json``. Raises
     :class:`RunInterrupted` on SIGINT/SIGTERM after the finished groups, the manifest and the summary are
-    on disk."""
+    on disk.
+
+    ``follow=RUN_DIR``: continuous RL instead (rollout/follow/): batches of ``follow.groups_per_step`` groups
+    drawn from the tasks go to ``RUN_DIR/rollouts/step_k/`` while the trainer's weights are loaded as they
+    appear; returns the follow summary once ``follow.max_steps`` batches are sealed."""
     import ray
 
     from .envs import load_tasks, make_env
 
-    out_dir = Path(cfg.output.dir)
+    if follow is not None:
+        from .follow import layout
+
+        if resume:
+            raise ValueError("--resume is for a batch run: a --follow run always goes on from its last sealed batch")
+        follow = Path(follow)
+        out_dir = follow / layout.ROLLOUTS  # renderers' break log; each batch writes its own step_k/
+    else:
+        out_dir = Path(cfg.output.dir)
     if out_dir.exists() and output_shards(out_dir) and not resume:
         raise ValueError(f"output directory {out_dir} already holds shards: pass --resume to continue it, "
                          "or choose another output.dir")
@@ -191,7 +206,7 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
         skipped = len(tasks) - len(keep)
         tasks = keep
 
-    bar = Progress(len(tasks) * cfg.group_size, enabled=progress)
+    bar = Progress(len(tasks) * cfg.group_size, enabled=progress and follow is None)  # follow: a line per event
     bar.watch(out_dir / DATA_DIR)  # counts the rollouts written to disk, beside those finished
     bar.note(startup_line(cfg, model_path, len(tasks) * cfg.group_size))
     if cpu_note:
@@ -220,10 +235,20 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
             startup_s = time.perf_counter() - t0
             bar.note(ready_line(startup_s, len(engines), rinfo))
             bar.start()
-            driver = RolloutDriver(cfg, env, engines, renderer_actors, infos[0], parser, on_progress=bar)
+            driver = RolloutDriver(cfg, env, engines, renderer_actors, infos[0], parser,
+                                   on_progress=None if follow else bar)
             bar.driver = driver
             t1 = time.perf_counter()
-            asyncio.run(_drive(driver, tasks, signals))
+            if follow is None:
+                asyncio.run(_drive(driver.run(tasks), signals))
+            else:
+                from .follow.service import FollowService
+
+                async def serve_batches() -> int:  # built on the loop that runs it (asyncio primitives)
+                    return await FollowService(cfg, follow, driver, engines, renderer_actors, tasks, config=config,
+                                               renderer_info=rinfo).run()
+
+                asyncio.run(_drive(serve_batches(), signals))
             wall_s = time.perf_counter() - t1
         except RunInterrupted as exc:  # during start-up, or at the very end
             signals.append(exc.signum)
@@ -241,6 +266,19 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
         if error is None and failed_writes:  # e.g. the last timed flush hit a full disk
             error = ShardWriteError(failed_writes[0])
         bar.finish()
+        if follow is not None:
+            from .follow.service import recover
+
+            placement.stop([*engines, *renderer_actors])
+            # what the renderers flushed into batches that were never sealed is removed: a trainer never sees it
+            summary = {"run_dir": str(follow), "sealed": recover(follow), "wall_s": round(wall_s, 3),
+                       "startup_s": round(startup_s, 3), "resumed_turns": driver.resumed_turns if driver else 0,
+                       "interrupted": signal.Signals(signals[0]).name if signals else None}
+            if error is not None:
+                raise error
+            if signals:
+                raise RunInterrupted(signals[0], summary)
+            return summary
         rollouts, tokens = _this_run(out_dir, closed)
         busy = driver.router.busy_s if driver is not None else [0.0]
         run_info = {

@@ -1,0 +1,364 @@
+"""The rollout side of continuous RL: batches sampled while a trainer trains, its weights followed.
+
+:class:`FollowService` runs on a :class:`~rollout.loop.RolloutDriver` (the same engines, renderers and
+multi-turn loop as ``tito run``) and loops:
+
+* **admission** — batch k (``follow.groups_per_step`` groups from the task pool) starts only once every
+  engine holds a version >= k - 1 - S (S = ``follow.max_off_policy_steps``). Versions only grow, so every
+  token any of its rollouts samples, before or after a weight update, meets the bound: nothing is sampled
+  to be thrown away. With a trainer that publishes nothing the service seals S + 1 batches and waits.
+* **weights** — :class:`WeightFollower` polls ``broadcasts/`` for a newer ``step_N`` with ``STABLE``,
+  validates it on one engine before anything pauses (a bad checkpoint is one log line and changes nothing),
+  holds the driver (``follow.inflight``), loads it into every engine, and releases.
+* **sealing** — batch k is sealed after batch k - 1 (the sealed batches are always 1..m): its renderers
+  close its shard files, every sampled token on disk is checked against the bound once more, then
+  ``_summary.json`` and, last, ``_manifest.json`` are written and a line goes to ``metrics.jsonl``.
+
+A restart on the same RUN_DIR (after SIGKILL, say) removes the unsealed ``step_k`` directories and goes on
+at the first unsealed batch; the task pool draws the same groups for the same batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import shutil
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+
+from ..config import RunConfig
+from ..envs.base import Task
+from ..handles import EngineHandle, RendererHandle
+from ..loop import RolloutDriver, RolloutOutcome
+from ..outputs import rollout_totals
+from ..shards import (
+    CHECKSUM,
+    DATA_DIR,
+    SUMMARY,
+    ShardWriteError,
+    file_entry,
+    output_shards,
+    read_table,
+    write_json_atomic,
+    write_manifest,
+)
+from . import layout
+
+
+def min_version(k: int, max_off_policy_steps: int) -> int:
+    """The oldest version that may sample a token of batch k (the one off-policy rule)."""
+    return k - 1 - max_off_policy_steps
+
+
+class TaskPool:
+    """The groups of batch k: the tasks cycled, each pass (epoch) in its own seeded shuffle. The draw depends
+    only on (tasks, seed, k), so a restarted service samples the same tasks for the same batch."""
+
+    def __init__(self, tasks: Sequence[Task], seed: int) -> None:
+        if not tasks:
+            raise ValueError("follow mode needs at least one task")
+        self.tasks = list(tasks)
+        self.seed = seed
+        self._orders: dict[int, list[int]] = {}
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.tasks)))
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    def draw(self, k: int, groups: int) -> list[tuple[int, Task]]:
+        """(global group index, task) for the ``groups`` groups of batch k (k >= 1)."""
+        first = (k - 1) * groups
+        n = len(self.tasks)
+        return [(g, self.tasks[self._order(g // n)[g % n]]) for g in range(first, first + groups)]
+
+
+def recover(run_dir: Path) -> int:
+    """Make RUN_DIR's rollouts a clean prefix of sealed batches and return its last step (0: none). A
+    ``step_k`` without its manifest was cut short (a kill, a crash): it is removed, as is anything after
+    the first gap, so a trainer never sees a batch that will not be completed."""
+    dirs = layout.step_dirs(run_dir)
+    last = 0
+    while last + 1 in dirs and layout.is_sealed(run_dir, last + 1):
+        last += 1
+    for k, path in dirs.items():
+        if k > last:
+            shutil.rmtree(path)
+    return last
+
+
+class WeightFollower:
+    """Loads the trainer's newest stable checkpoint into every engine, one validation first.
+
+    ``holder`` is the driver (its ``hold_for_update`` / ``release``); ``on_version`` is told each new
+    version once every engine holds it."""
+
+    def __init__(self, run_dir: Path, engines: Sequence[EngineHandle], holder: RolloutDriver, *, inflight: str,
+                 poll_interval_s: float, log: Callable[[str], None], start_version: int = 0) -> None:
+        self.run_dir = run_dir
+        self.engines = list(engines)
+        self.holder = holder
+        self.inflight = inflight
+        self.poll_interval_s = poll_interval_s
+        self.log = log
+        self.version = start_version  # the version every engine holds
+        self.refused: dict[int, float] = {}  # version -> STABLE mtime of a checkpoint that was refused
+        self.updates: list[dict[str, Any]] = []  # one record per load, taken by the next sealed batch's metrics
+        self.changed = asyncio.Condition()
+
+    def newest(self) -> int | None:
+        """The newest stable version newer than the engines' and not already refused (as it is now)."""
+        for n in reversed(layout.stable_versions(self.run_dir)):
+            if n <= self.version:
+                return None
+            stable = layout.broadcast_dir(self.run_dir, n) / layout.STABLE
+            with contextlib.suppress(OSError):
+                if self.refused.get(n) != stable.stat().st_mtime:
+                    return n
+        return None
+
+    async def poll_once(self) -> bool:
+        """Load the newest new version if there is one; True when the engines changed version."""
+        n = self.newest()
+        return n is not None and await self.load(n)
+
+    async def watch(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def load(self, n: int) -> bool:
+        path = layout.broadcast_dir(self.run_dir, n)
+        stable = path / layout.STABLE
+        stable_mtime = stable.stat().st_mtime
+        seen = time.time()
+        t0 = time.perf_counter()
+        try:  # before anything pauses: a bad checkpoint must not cost the running rollouts anything
+            await self.engines[0].validate_weights(str(path))
+        except Exception as exc:  # noqa: BLE001 - any refusal: named, logged once, the run goes on
+            self.refused[n] = stable_mtime
+            self.log(f"weights {path} refused: {exc}; the engines stay on version {self.version}")
+            return False
+        t1 = time.perf_counter()
+        aborted = await self.holder.hold_for_update(self.inflight)  # type: ignore[arg-type]
+        t2 = time.perf_counter()
+        try:
+            results = await asyncio.gather(*(e.update_weights(str(path), n) for e in self.engines),
+                                           return_exceptions=True)
+        finally:
+            self.holder.release()
+        t3 = time.perf_counter()
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            # validated yet refused by an engine: those that loaded it stamp version n, the others keep theirs,
+            # and each token records the version that sampled it, so the sealing check still holds
+            self.refused[n] = stable_mtime
+            self.log(f"weights {path}: {len(failed)} of {len(self.engines)} engines failed to load it "
+                     f"({failed[0]}); the others hold version {n}")
+            return False
+        async with self.changed:
+            self.version = n
+            self.changed.notify_all()
+        record = {"version": n, "validate_s": round(t1 - t0, 3), "hold_s": round(t2 - t1, 3),
+                  "load_s": round(t3 - t2, 3), "aborted_requests": aborted,
+                  # STABLE written -> every engine generating again under the new weights (poll delay included)
+                  "stable_to_resumed_s": round(time.time() - stable_mtime, 3),
+                  "detect_s": round(max(0.0, seen - stable_mtime), 3)}
+        self.updates.append(record)
+        self.log(f"weights v{n} loaded in {record['load_s']:.2f} s (validated in {record['validate_s']:.2f} s; "
+                 f"{aborted} turns stopped to go on under them); STABLE -> generating {record['stable_to_resumed_s']:.2f} s")
+        return True
+
+
+class FollowService:
+    """Batches of rollouts into RUN_DIR/rollouts/step_k/ while weights are followed (see the module doc)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, driver: RolloutDriver, engines: Sequence[EngineHandle],
+                 renderers: Sequence[RendererHandle], tasks: Sequence[Task], *, config: dict[str, Any],
+                 renderer_info: dict[str, Any], log: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.follow = cfg.follow
+        self.run_dir = Path(run_dir)
+        self.driver = driver
+        self.renderers = list(renderers)
+        self.pool = TaskPool(tasks, cfg.tasks.seed)
+        self.config = config
+        self.renderer_info = renderer_info
+        self.log = log or (lambda line: print(f"tito run --follow: {line}", file=sys.stderr, flush=True))
+        self.weights = WeightFollower(self.run_dir, engines, driver, inflight=self.follow.inflight,
+                                      poll_interval_s=self.follow.poll_interval_s, log=self.log)
+        self.first_step = recover(self.run_dir) + 1
+        self.sealed = self.first_step - 1
+        self._sealed_changed = asyncio.Condition()
+        self.t0 = time.time()
+        self.status = "starting"
+        self._batches: list[asyncio.Task] = []
+
+    @property
+    def last_step(self) -> int | None:
+        return self.follow.max_steps
+
+    def done(self) -> bool:
+        return self.last_step is not None and self.sealed >= self.last_step
+
+    async def run(self) -> int:
+        """Seal batches until ``follow.max_steps`` (or until cancelled: a signal). Returns the last sealed step."""
+        if self.done():
+            self.log(f"{self.run_dir}: batches 1..{self.sealed} are already sealed (follow.max_steps "
+                     f"{self.last_step}): nothing to do")
+            return self.sealed
+        if self.sealed:
+            self.log(f"resuming {self.run_dir} after sealed batch {self.sealed}")
+        # a restarted service first loads the trainer's newest weights, so admission sees the real version
+        await self.weights.poll_once()
+        watcher = asyncio.create_task(self.weights.watch(), name="tito-follow-weights")
+        admitter = asyncio.create_task(self._admit_all(), name="tito-follow-admission")
+        try:
+            # until every batch is sealed; the first failure (a full disk, a broken bound) stops the service
+            while not (admitter.done() and all(b.done() for b in self._batches)):
+                pending = {watcher, admitter, *(b for b in self._batches if not b.done())}
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t.exception() is not None:
+                        raise t.exception()
+        finally:
+            for t in (watcher, admitter, *self._batches):
+                t.cancel()
+            await asyncio.gather(watcher, admitter, *self._batches, return_exceptions=True)
+        return self.sealed
+
+    async def _admit_all(self) -> None:
+        k = self.first_step
+        while self.last_step is None or k <= self.last_step:
+            await self._admit(k)
+            self._batches.append(asyncio.create_task(self._run_batch(k), name=f"tito-follow-step-{k}"))
+            k += 1
+
+    async def _admit(self, k: int) -> None:
+        """Wait until batch k may start: every engine holds a version >= k - 1 - S (and batch k - S - 1 ...
+        is implied: the trainer publishes version j only after reading batch j)."""
+        need = min_version(k, self.follow.max_off_policy_steps)
+        if self.weights.version >= need:
+            return
+        self.status = (f"waiting for weights: batch {k} needs version >= {need}, the engines hold "
+                       f"{self.weights.version} (follow.max_off_policy_steps {self.follow.max_off_policy_steps}); "
+                       f"{self.sealed} batches sealed")
+        self.log(self.status)
+        async with self.weights.changed:
+            await self.weights.changed.wait_for(lambda: self.weights.version >= need)
+        self.status = f"batch {k} admitted under version {self.weights.version}"
+
+    async def _run_batch(self, k: int) -> None:
+        started = time.time()
+        out_dir = layout.step_dir(self.run_dir, k)
+        need = min_version(k, self.follow.max_off_policy_steps)
+        admitted_at = self.weights.version
+        groups = self.pool.draw(k, self.follow.groups_per_step)
+        outcomes = await asyncio.gather(*(
+            self.driver.run_group(task, g, group_id=f"{task.task_id}@{k}.{j}", out_dir=str(out_dir), min_version=need)
+            for j, (g, task) in enumerate(groups)))
+        async with self._sealed_changed:  # batches seal in order: the sealed ones are always 1..m
+            await self._sealed_changed.wait_for(lambda: self.sealed == k - 1)
+        files = await _close_outputs(self.renderers, str(out_dir))
+        flat = [o for group in outcomes for o in group]
+        updates, self.weights.updates = self.weights.updates, []
+        info = {"admitted_at_version": admitted_at, "version_at_seal": self.weights.version,
+                "batch_s": round(time.time() - started, 3), "elapsed_s": round(time.time() - self.t0, 3),
+                "resumed_turns": self.driver.resumed_turns, "weight_updates": updates}
+        line = seal_batch(self.run_dir, k, files=files, outcomes=flat, bound=need, info=info, config=self.config)
+        append_metrics(self.run_dir, line)
+        async with self._sealed_changed:
+            self.sealed = k
+            self._sealed_changed.notify_all()
+        r = line["reward"]
+        self.log(f"batch {k} sealed: {line['samples']} samples ({line['withheld']} withheld), reward mean "
+                 f"{r.get('mean', 0.0):.3f}, staleness {line['staleness'] or '-'}, {info['batch_s']:.1f} s")
+
+
+async def _close_outputs(renderers: Sequence[RendererHandle], out_dir: str) -> list[dict]:
+    closed = await asyncio.gather(*(r.close_output(out_dir) for r in renderers))
+    errors = [c["write_error"] for c in closed if c.get("write_error")]
+    if errors:
+        raise ShardWriteError(errors[0])
+    return [f for c in closed for f in c["files"]]
+
+
+def token_versions(out_dir: Path) -> Counter[int]:
+    """Sampled tokens per version over a batch's shards (from the per-token ``weight_versions`` column)."""
+    counts: Counter[int] = Counter()
+    for path in output_shards(out_dir):
+        t = read_table(path, columns=["weight_versions"])
+        flat = pc.list_flatten(t["weight_versions"])
+        flat = pc.filter(flat, pc.greater_equal(flat, 0))
+        if len(flat):
+            vc = pc.value_counts(flat)
+            counts.update({int(v["values"]): int(v["counts"]) for v in vc.to_pylist()})
+    return counts
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {"min": min(values), "mean": round(statistics.fmean(values), 4), "max": max(values)}
+
+
+def seal_batch(run_dir: Path, k: int, *, files: list[dict], outcomes: list[RolloutOutcome], bound: int,
+               info: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Check batch k's files against the off-policy bound, then write its summary and, last, its manifest
+    (which seals it). Returns the batch's metrics line. Raises RuntimeError if a sampled token on disk is
+    older than ``bound`` (admission makes that impossible: the check is the safety net the bound promises)."""
+    out_dir = layout.step_dir(run_dir, k)
+    (out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
+    known = {f"{DATA_DIR}/{f['file']}": f.get(CHECKSUM) for f in files}
+    shards = output_shards(out_dir)
+    entries = [file_entry(out_dir, p, known.get(p.relative_to(out_dir).as_posix())) for p in shards]
+    per_version = token_versions(out_dir)
+    if per_version and min(per_version) < bound:
+        raise RuntimeError(f"batch {k}: {sum(n for v, n in per_version.items() if v < bound)} sampled tokens are "
+                           f"from versions older than {bound} (the off-policy bound): not sealed")
+    totals = rollout_totals(out_dir)
+    written = [o for o in outcomes if o.withheld is None]
+    withheld = [{"rollout_id": o.rollout_id, "group_id": o.group_id, "reason": o.withheld, "reward": o.reward}
+                for o in outcomes if o.withheld is not None]
+    staleness = [k - 1 - o.version_min for o in written if o.version_min is not None]
+    tokens = sum(per_version.values())
+    follow = {
+        "step": k, "min_version": bound, "trains_version": k - 1,
+        "tokens_per_version": {str(v): n for v, n in sorted(per_version.items())},
+        # (k - 1) - the oldest version of each written rollout: 0 on-policy, at most max_off_policy_steps
+        "staleness": dict(sorted(Counter(staleness).items())),
+        "token_staleness_mean": round(sum((k - 1 - v) * n for v, n in per_version.items()) / tokens, 4) if tokens else 0.0,
+        "withheld": withheld,
+        "spanning_versions": sum(o.version_min != o.version_max for o in written),
+        **info,
+    }
+    rewards = [o.reward for o in outcomes if o.error is None]
+    summary = {**totals, "follow": follow, "group_size": config.get("group_size"), "model": config.get("model"),
+               "config": config}
+    write_json_atomic(out_dir / SUMMARY, summary)
+    write_manifest(out_dir, entries, {"summary": SUMMARY, "model": config.get("model"), "follow": follow,
+                                      "group_size": config.get("group_size"), "sampling": config.get("sampling", {}),
+                                      "config": config})  # last: its presence seals the batch
+    return {"step": k, "rollouts": len(outcomes), "written": len(written), "withheld": len(withheld),
+            "samples": totals["rows"], "reward": _stats(rewards), "completion_tokens": totals["completion_tokens"],
+            "staleness": follow["staleness"], "token_staleness_mean": follow["token_staleness_mean"],
+            "tokens_per_version": follow["tokens_per_version"], "spanning_versions": follow["spanning_versions"],
+            "errors": totals["errors"], **info}
+
+
+def append_metrics(run_dir: Path, line: dict[str, Any]) -> None:
+    with open(Path(run_dir) / layout.METRICS, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+

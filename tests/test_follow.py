@@ -1,0 +1,227 @@
+"""Follow mode (continuous RL) in one process, on real parts: the SmolLM2 embedded engine, the real renderer
+service writing real Arrow shards, real safetensors checkpoints published into a run directory. No Ray: the
+service runs on the same driver ``tito run --follow`` uses (the CLI and a SIGKILL restart: test_follow_cli.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.config import FollowConfig, RunConfig
+from rollout.data import load_samples
+from rollout.envs.base import Task
+from rollout.envs.registry import make_env
+from rollout.follow import layout
+from rollout.follow.publish import publish_weights
+from rollout.follow.service import FollowService, TaskPool, min_version, recover
+from rollout.handles import LocalEngine, LocalRenderer
+from rollout.loop import RolloutDriver
+from rollout.renderer_service import RendererService
+from rollout.shards import read_manifest
+
+from ._support import smollm2_gguf
+
+# long answers, so a weight update lands while turns are running
+STORY = "Write a long story about a dragon who learns to count. Use many sentences."
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from rollout.models import resolve_model
+
+    smollm2_gguf()  # skips (or fails under CI) without the model
+    return str(resolve_model("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def base_state(model_path):
+    from rollout.models import load_causal_lm
+
+    model = load_causal_lm(model_path)
+    return model, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _config_of(model) -> dict:
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)  # the GGUF's: the published checkpoint is plain fp32
+    return cfg
+
+
+def _tasks(n: int, prompt: str = STORY) -> list[Task]:
+    return [Task(task_id=f"t{i}", messages=[{"role": "user", "content": f"{prompt} ({i})"}], answer="7")
+            for i in range(n)]
+
+
+def _config(**follow) -> RunConfig:
+    return RunConfig(
+        env={"name": "arithmetic", "options": {"difficulty": 1}}, group_size=2, max_turns=1,
+        max_tokens_per_turn=40, max_tokens_per_rollout=40, sampling={"temperature": 1.0, "seed": 7},
+        follow=FollowConfig(**{"groups_per_step": 2, "poll_interval_s": 0.05, **follow}))
+
+
+class Harness:
+    """The service's parts in this process: one embedded engine, one renderer service, a driver."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, model_path: str, tasks: list[Task]) -> None:
+        from rollout.engines.embedded import EmbeddedEngine
+        from rollout.startup import create_parser
+
+        self.engine = EmbeddedEngine(model_path, threads=1, max_batch=8, fetch=False)
+        self.service = RendererService(model_path, out_dir=str(run_dir / layout.ROLLOUTS), flush_interval_s=None)
+        parser = create_parser(cfg.renderer, model_path)
+        engines, renderers = [LocalEngine(self.engine)], [LocalRenderer(self.service)]
+        self.driver = RolloutDriver(cfg, make_env(cfg.env.name, **cfg.env.options), engines, renderers,
+                                    self.engine.info(), parser)
+        self.lines: list[str] = []
+        self.follow = FollowService(cfg, run_dir, self.driver, engines, renderers, tasks, config=cfg.model_dump(mode="json"),
+                                    renderer_info=self.service.info(), log=self.lines.append)
+
+
+def _perturbed(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """The base weights with the final norm scaled: every logprob moves, every tensor is still present."""
+    out = dict(state)
+    out["model.norm.weight"] = state["model.norm.weight"] * scale
+    return out
+
+
+def _forward_logprobs(model, state: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1 under ``state``: a plain forward pass, nothing shared with the engine."""
+    model.load_state_dict(state, strict=False)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    lp = torch.log_softmax(logits[:-1], dim=-1)
+    return torch.cat([torch.zeros(1, dtype=torch.float64), lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]])
+
+
+def test_task_pool_cycles_every_task_once_per_epoch_and_is_reproducible():
+    tasks = _tasks(5)
+    pool = TaskPool(tasks, seed=3)
+    first = [t.task_id for k in range(1, 6) for _, t in pool.draw(k, 2)]  # 2 groups per batch
+    assert sorted(first[:5]) == sorted(t.task_id for t in tasks)  # epoch 0: each task once
+    assert sorted(first[5:10]) == sorted(t.task_id for t in tasks)  # epoch 1: again, reshuffled
+    again = TaskPool(tasks, seed=3)  # a restarted service draws batch 3 the same way, without drawing 1 and 2
+    assert [t.task_id for _, t in again.draw(4, 2)] == first[6:8]
+    assert [g for g, _ in pool.draw(2, 2)] == [2, 3]
+    assert min_version(1, 0) == 0 and min_version(5, 1) == 3
+
+
+def test_recover_keeps_the_sealed_prefix_and_removes_the_rest(tmp_path):
+    for k in (1, 2, 3, 5):
+        d = layout.step_dir(tmp_path, k)
+        (d / "data").mkdir(parents=True)
+        (d / "data" / "train-r0-00000.arrow").write_bytes(b"x")
+    for k in (1, 2, 5):  # 3 was cut short; 5 sits after the gap
+        (layout.step_dir(tmp_path, k) / layout.SEALED).write_text("{}")
+    assert recover(tmp_path) == 2
+    assert sorted(layout.step_dirs(tmp_path)) == [1, 2]
+    assert recover(tmp_path / "nothing-yet") == 0
+
+
+def test_weights_published_mid_turn_stamp_each_token_with_the_version_that_sampled_it(tmp_path, model_path,
+                                                                                      base_state):
+    """abort_resume: a turn stopped by the update keeps its tokens (old version) and goes on under the new
+    weights; every sampled token's logprob equals a plain forward pass under the version recorded for it."""
+    model, base = base_state
+    v1 = _perturbed(base, 1.3)
+    cfg = _config(max_steps=2, max_off_policy_steps=1)
+    h = Harness(cfg, tmp_path, model_path, _tasks(4))
+    # the checkpoint is on disk before the run, without STABLE: it must not be loaded until STABLE appears
+    staged = publish_weights(tmp_path / "staging", 1, v1, config=_config_of(model))
+    target = layout.broadcast_dir(tmp_path, 1)
+    target.parent.mkdir(parents=True)
+    staged.rename(target)
+    (target / layout.STABLE).unlink()
+
+    async def trainer() -> None:
+        while h.engine.stats["decode_tokens"] < 24:  # turns are under way
+            await asyncio.sleep(0.01)
+        assert h.engine.weight_version == 0  # no STABLE yet: never loaded
+        (target / layout.STABLE).touch()
+
+    async def main() -> int:
+        sealed, _ = await asyncio.gather(h.follow.run(), trainer())
+        return sealed
+
+    assert asyncio.run(main()) == 2
+    h.service.close()
+    assert h.driver.resumed_turns >= 1, h.lines
+    rows = [s for k in (1, 2) for s in load_samples(layout.step_dir(tmp_path, k))]
+    assert len(rows) == 8 and len({s.rollout_id for s in rows}) == 8
+    spanning = [s for s in rows if len(set(int(v) for v in s.weight_versions if v >= 0)) == 2]
+    assert spanning, "no rollout spans the update"
+    states = {0: base, 1: v1}
+    worst = 0.0
+    other_gap = 0.0
+    for s in rows:
+        ids = [int(t) for t in s.token_ids]
+        versions = [int(v) for v in s.weight_versions]
+        mask = [bool(m) for m in s.loss_mask]
+        assert [v >= 0 for v in versions] == mask  # -1 exactly on context tokens
+        assert s.meta["weight_version"] == min(v for v in versions if v >= 0)
+        assert s.meta["weight_version_max"] == max(versions)
+        by_version = {v: _forward_logprobs(model, states[v], ids) for v in set(versions) if v >= 0}
+        for t, v in enumerate(versions):
+            if v < 0:
+                continue
+            worst = max(worst, abs(float(s.logprobs[t]) - float(by_version[v][t])))
+            if s in spanning:
+                other = _forward_logprobs(model, states[1 - v], ids) if len(by_version) == 1 else by_version[1 - v]
+                other_gap = max(other_gap, abs(float(s.logprobs[t]) - float(other[t])))
+    model.load_state_dict(base)
+    assert worst <= 1e-4, worst
+    assert other_gap > 1e-2  # the check tells the versions apart: a wrong stamp would fail it
+    metrics = [json.loads(line) for line in (tmp_path / layout.METRICS).read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    updates = [u for m in metrics for u in m["weight_updates"]]
+    assert [u["version"] for u in updates] == [1] and updates[0]["aborted_requests"] >= 1
+    manifest = read_manifest(layout.step_dir(tmp_path, 2))
+    assert manifest["follow"]["step"] == 2 and manifest["follow"]["min_version"] == 0
+
+
+def test_without_new_weights_it_seals_s_plus_one_batches_then_waits_idle(tmp_path, model_path, base_state):
+    """The trainer publishes nothing (or died): at most max_off_policy_steps + 1 batches, then no request
+    reaches the engine and nothing more is written, and the service says what it waits for. New weights
+    let it go on; a corrupt checkpoint is refused in one line naming the tensor and changes nothing."""
+    model, base = base_state
+    cfg = _config(max_steps=3, max_off_policy_steps=1)
+    h = Harness(cfg, tmp_path, model_path, _tasks(3, "What is 3 + 4?"))
+
+    async def main() -> int:
+        run = asyncio.create_task(h.follow.run())
+        while h.follow.sealed < 2:
+            await asyncio.sleep(0.05)
+        steps = h.engine.stats["steps"]
+        await asyncio.sleep(1.5)
+        assert h.follow.sealed == 2 and not run.done()
+        assert h.engine.stats["steps"] == steps and not h.driver._in_flight  # idle: the engine ran nothing
+        assert not layout.step_dir(tmp_path, 3).exists()
+        assert any("batch 3 needs version >= 1" in line for line in h.lines), h.lines
+        # a corrupt checkpoint (NaN in one tensor), published by hand as a broken trainer would
+        bad = dict(base)
+        bad["model.layers.2.mlp.up_proj.weight"] = base["model.layers.2.mlp.up_proj.weight"].clone()
+        bad["model.layers.2.mlp.up_proj.weight"][0, 0] = float("nan")
+        d = layout.broadcast_dir(tmp_path, 1)
+        d.mkdir(parents=True)
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in bad.items() if k != "lm_head.weight"}, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps(_config_of(model)))
+        (d / layout.STABLE).touch()
+        await asyncio.sleep(1.0)
+        assert h.engine.weight_version == 0 and h.follow.sealed == 2 and not run.done()
+        refused = [line for line in h.lines if "refused" in line]
+        assert len(refused) == 1 and "model.layers.2.mlp.up_proj.weight" in refused[0], h.lines
+        publish_weights(tmp_path, 2, _perturbed(base, 1.1), config=_config_of(model))
+        return await asyncio.wait_for(run, 120)
+
+    assert asyncio.run(main()) == 3
+    h.service.close()
+    assert h.engine.weight_version == 2
+    third = read_manifest(layout.step_dir(tmp_path, 3))
+    assert third["follow"]["admitted_at_version"] == 2
+    assert set(third["follow"]["tokens_per_version"]) == {"2"}
