@@ -45,8 +45,11 @@ class RayRenderer:
     async def finish(self, rollout_id: str, meta: RolloutMeta, last_turn: SampledTurn | None = None) -> int:
         return await self.actor.finish.remote(rollout_id, meta, last_turn)
 
-    async def finish_group(self, items: list[Finished]) -> int:
-        return await self.actor.finish_group.remote(items)
+    async def finish_group(self, items: list[Finished], out_dir: str | None = None) -> int:
+        return await self.actor.finish_group.remote(items, out_dir)
+
+    async def close_output(self, out_dir: str) -> dict:
+        return await self.actor.close_output.remote(out_dir)
 
     async def discard(self, rollout_id: str) -> None:
         await self.actor.discard.remote(rollout_id)

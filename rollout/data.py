@@ -12,11 +12,21 @@ batch (and, for Parquet, can skip row groups by statistics) instead of Python te
 Samples come out as :class:`Sample` objects whose list columns are numpy views of the Arrow buffers
 (``ListArray.values`` sliced by the offsets: no copy for int32/int16/float32 columns; ``loss_mask`` is
 bit-packed in Arrow, so it is the one column that is unpacked into a new ``bool`` array).
+
+Weight versions: ``Sample.weight_versions`` is the version that sampled each token (-1 on context).
+Shards of schema <= 2 have no such column; their rows were sampled by one version, so it is derived from
+``loss_mask`` and ``weight_version`` (``weight_version_max`` likewise falls back to ``weight_version``).
+A directory mixing old and new files (``tito run --resume`` of an old run) reads with the union of
+their schemas, so no file's columns are dropped.
+
+:func:`read_step` is follow mode's trainer side: it waits for batch k of a run directory to be sealed,
+checks it, and returns its samples.
 """
 
 from __future__ import annotations
 
 import glob as _glob
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +37,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-# per-token list columns and scalar columns a Sample carries
+# per-token list columns and scalar columns a Sample carries (weight_versions besides: derived for old shards)
 TOKEN_COLUMNS = ("token_ids", "loss_mask", "logprobs", "turn_index")
 SCALAR_COLUMNS = ("rollout_id", "group_id", "task_id", "segment_index", "segment_count", "advantage", "reward",
-                  "finish_reason", "weight_version")
+                  "finish_reason", "weight_version", "weight_version_max")
+# schema 3's columns, which shards of schema <= 2 lack (every reader derives them)
+VERSION_FIELDS = (pa.field("weight_versions", pa.list_(pa.int32())), pa.field("weight_version_max", pa.int64()))
 SUFFIX_FORMAT = {".arrow": "ipc", ".ipc": "ipc", ".feather": "ipc", ".parquet": "parquet"}
 
 
@@ -63,12 +75,39 @@ def open_shards(source: str | Path | Sequence[str | Path]) -> ds.Dataset:
     """A lazy ``pyarrow.dataset.Dataset`` over the shard files of ``source`` (see :func:`shard_files`).
 
     Files are grouped by format; two formats give a union dataset. Nothing is read here but file footers.
+    The dataset's schema is the union of the files' (a column missing from a file reads as null there), and
+    a tito shard set always has the schema 3 version columns, null in older files: so a filter on them
+    (:func:`sample_filter`) works on any directory, and :func:`iter_samples` derives their values.
     """
     by_format: dict[str, list[str]] = {}
     for f in shard_files(source):
         by_format.setdefault(SUFFIX_FORMAT[f.suffix], []).append(str(f))
-    parts = [ds.dataset(files, format=fmt) for fmt, files in sorted(by_format.items())]
-    return parts[0] if len(parts) == 1 else ds.dataset(parts)
+    parts = [_dataset(files, fmt) for fmt, files in sorted(by_format.items())]
+    if len(parts) == 1:
+        return parts[0]
+    schema = _union_schema([p.schema for p in parts])
+    return ds.dataset([p.replace_schema(schema) if p.schema != schema else p for p in parts])
+
+
+def _dataset(files: list[str], fmt: str) -> ds.FileSystemDataset:
+    """The files as one dataset with the union of their schemas (pyarrow takes the first file's alone)."""
+    first = ds.dataset(files, format=fmt)
+    schemas = [first.schema] if len(files) == 1 else [f.physical_schema for f in first.get_fragments()]
+    schema = _union_schema(schemas)
+    return first if schema == first.schema else ds.dataset(files, format=fmt, schema=schema)
+
+
+def _union_schema(schemas: list[pa.Schema]) -> pa.Schema:
+    """Every field of ``schemas`` (the first one's metadata), plus the version columns for tito shards."""
+    try:
+        schema = pa.unify_schemas(schemas)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # conflicting types: pyarrow's own choice, the first
+        schema = schemas[0]
+    if "loss_mask" in schema.names and "weight_version" in schema.names:
+        for f in VERSION_FIELDS:
+            if f.name not in schema.names:
+                schema = schema.append(f)
+    return schema
 
 
 def sample_filter(*, min_weight_version: int | None = None, max_weight_version: int | None = None,
@@ -78,6 +117,12 @@ def sample_filter(*, min_weight_version: int | None = None, max_weight_version: 
     """A compute expression keeping the samples that pass every given bound (bounds are inclusive);
     None when no bound is given.
 
+    Weight versions bound every sampled token of a sample, not a summary of it: ``min_weight_version``
+    tests ``weight_version``, the *lowest* version among its sampled tokens, so it keeps a sample only if
+    no token is older (a trainer's staleness bound: ``min_weight_version=k - 1 - max_off_policy_steps``);
+    ``max_weight_version`` tests ``weight_version_max``, the *highest*, so it keeps a sample only if no
+    token is newer (``weight_version`` on shards of schema <= 2, where the two are equal).
+
     ``max_breaks`` bounds the rollout's number of breaks. Every break starts a new segment, so it is
     ``segment_count - 1`` (the length of the ``breaks`` JSON list): testing the int column keeps the
     filter a pushdown-able expression instead of JSON parsing in Python.
@@ -86,7 +131,7 @@ def sample_filter(*, min_weight_version: int | None = None, max_weight_version: 
     if min_weight_version is not None:
         terms.append(pc.field("weight_version") >= min_weight_version)
     if max_weight_version is not None:
-        terms.append(pc.field("weight_version") <= max_weight_version)
+        terms.append(pc.coalesce(pc.field("weight_version_max"), pc.field("weight_version")) <= max_weight_version)
     if min_reward is not None:
         terms.append(pc.field("reward") >= min_reward)
     if max_reward is not None:
@@ -107,7 +152,10 @@ def sample_filter(*, min_weight_version: int | None = None, max_weight_version: 
 class Sample:
     """One training sample (a rollout segment). Token arrays are equally long; ``token_ids`` int32,
     ``loss_mask`` bool (true exactly on sampled tokens), ``logprobs`` float32 (the sampler's logprob on
-    sampled tokens, 0 elsewhere), ``turn_index`` int16. Arrays may be read-only views of Arrow memory."""
+    sampled tokens, 0 elsewhere), ``turn_index`` int16, ``weight_versions`` int32 (the weight version that
+    sampled each token, -1 where ``loss_mask`` is false; None on a sample built by hand, taken then as
+    ``meta["weight_version"]`` on every sampled token: :meth:`versions`). Arrays may be read-only views of
+    Arrow memory. ``meta`` has ``weight_version`` and ``weight_version_max``, the lowest and highest."""
 
     token_ids: Any
     loss_mask: Any
@@ -117,6 +165,15 @@ class Sample:
     rollout_id: str
     segment_index: int = 0
     meta: dict[str, Any] = field(default_factory=dict)  # the other scalar columns that were read
+    weight_versions: Any = None
+
+    def versions(self) -> np.ndarray:
+        """``weight_versions`` as an int32 numpy array (derived from ``loss_mask`` and
+        ``meta["weight_version"]`` when the sample has none)."""
+        if self.weight_versions is not None:
+            return np.asarray(self.weight_versions, dtype=np.int32)
+        return np.where(np.asarray(self.loss_mask, dtype=bool), int(self.meta.get("weight_version") or 0),
+                        -1).astype(np.int32)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -139,6 +196,30 @@ def _list_column(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarr
     return np_values, arr.offsets.to_numpy()
 
 
+def _versions_column(batch: pa.RecordBatch, mask: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(values, offsets) of ``weight_versions``, like :func:`_list_column`. Rows without it (a shard of
+    schema <= 2: the column is absent or null) get it derived from ``loss_mask`` and ``weight_version``:
+    the row's one version on every sampled token, -1 elsewhere."""
+    names = batch.schema.names
+    if "weight_versions" in names and batch.column("weight_versions").null_count == 0:
+        return _list_column(batch, "weight_versions")
+    mask_values, offsets = mask
+    low = batch.column("weight_version").fill_null(0).to_numpy() if "weight_version" in names \
+        else np.zeros(batch.num_rows, np.int64)
+    derived = np.full(len(mask_values), -1, np.int32)
+    span = slice(offsets[0], offsets[-1])
+    per_token = np.repeat(low.astype(np.int32), np.diff(offsets))
+    derived[span] = np.where(mask_values[span], per_token, np.int32(-1))
+    if "weight_versions" in names:  # a batch mixing old and new rows: keep the new rows' own versions
+        col = batch.column("weight_versions")
+        values = col.values.to_numpy(zero_copy_only=False)
+        own = col.offsets.to_numpy()
+        for i in np.flatnonzero(col.is_valid().to_numpy(zero_copy_only=False)):
+            derived[offsets[i]:offsets[i + 1]] = values[own[i]:own[i + 1]]
+    derived.flags.writeable = False  # like the views of Arrow memory
+    return derived, offsets
+
+
 def iter_samples(data: ds.Dataset | str | Path | Sequence[str | Path], *, filter: ds.Expression | None = None,
                  batch_size: int = 1024, torch: bool = False) -> Iterator[Sample]:
     """Stream samples from a dataset (or any source :func:`open_shards` takes), in file order, reading
@@ -148,13 +229,19 @@ def iter_samples(data: ds.Dataset | str | Path | Sequence[str | Path], *, filter
     dataset = data if isinstance(data, ds.Dataset) else open_shards(data)
     names = set(dataset.schema.names)
     scalars = [c for c in SCALAR_COLUMNS if c in names]
+    extra = [c for c in ("weight_versions", "weight_version") if c in names and c not in scalars]
     if torch:
         import torch as _torch
-    for batch in dataset.to_batches(columns=list(TOKEN_COLUMNS) + scalars, filter=filter, batch_size=batch_size):
+    for batch in dataset.to_batches(columns=list(TOKEN_COLUMNS) + scalars + extra, filter=filter,
+                                    batch_size=batch_size):
         if batch.num_rows == 0:
             continue
         lists = {c: _list_column(batch, c) for c in TOKEN_COLUMNS}
+        lists["weight_versions"] = _versions_column(batch, lists["loss_mask"])
         meta_cols = {c: batch.column(c).to_pylist() for c in scalars}
+        if "weight_version_max" in meta_cols and "weight_version" in meta_cols:  # null in schema <= 2 rows
+            meta_cols["weight_version_max"] = [low if high is None else high for low, high in
+                                               zip(meta_cols["weight_version"], meta_cols["weight_version_max"])]
         for i in range(batch.num_rows):
             arrays = {}
             for c, (values, offsets) in lists.items():
@@ -170,3 +257,74 @@ def iter_samples(data: ds.Dataset | str | Path | Sequence[str | Path], *, filter
 def load_samples(source: ds.Dataset | str | Path | Sequence[str | Path], **filters: Any) -> list[Sample]:
     """All samples of a source that pass :func:`sample_filter` ``(**filters)``, as a list (small sets)."""
     return list(iter_samples(source, filter=sample_filter(**filters)))
+
+
+@dataclass
+class StepBatch:
+    """Batch ``step`` of a follow-mode run directory, sealed and checked (:func:`read_step`): its samples
+    (those that passed the filters) and its manifest (``_manifest.json``: the files with their rows,
+    tokens and sha256, and whatever the run recorded about the batch). Iterates, indexes and measures
+    like the list of samples, so ``pack(batch, ...)`` takes it as it is."""
+
+    step: int
+    path: Path  # RUN_DIR/rollouts/step_<step>
+    samples: list[Sample]
+    manifest: dict[str, Any]
+
+    def __iter__(self) -> Iterator[Sample]:
+        return iter(self.samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
+def read_step(run_dir: str | Path, k: int, *, timeout: float | None = None, poll_s: float = 0.2,
+              verify: bool = True, torch: bool = False, **filters: Any) -> StepBatch:
+    """Wait until batch ``k`` of the run directory ``run_dir`` is sealed (``rollouts/step_k/_manifest.json``
+    exists: the follow service writes it last, and the batch never changes after), then return its
+    samples that pass :func:`sample_filter` ``(**filters)`` as a :class:`StepBatch`, in file order.
+
+    ``filters`` are checked before waiting (an unknown one is a TypeError at once). A trainer's staleness
+    bound is ``min_weight_version=k - 1 - S``: it tests each sample's lowest sampled version, so every
+    token of every sample returned is at most S versions behind the on-policy version k - 1.
+
+    Waiting sleeps ``poll_s`` between checks (no busy loop); ``timeout`` seconds without the seal raise
+    :class:`TimeoutError` naming the step and the directory (None: wait for ever). ``verify`` (default)
+    checks the files the manifest lists before reading: a missing file or a sha256 that differs raises
+    :class:`~rollout.shards.ShardCorrupt` naming it, as ``tito inspect`` and ``tito run --resume`` do.
+    Only the files the manifest lists are read. Needs neither torch (unless ``torch=True``) nor Ray."""
+    from .follow import layout
+    from .outputs import check_integrity
+    from .shards import DATA_DIR, ShardCorrupt, read_manifest
+
+    expr = sample_filter(**filters)
+    step = layout.step_dir(run_dir, k)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not layout.is_sealed(run_dir, k):
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError(f"batch {k} was not sealed within {timeout:g} s: no {step / layout.SEALED} "
+                               f"(is tito run --follow {run_dir} running, and has it reached step {k}?)")
+        time.sleep(poll_s if left is None else min(poll_s, left))
+    manifest = read_manifest(step) or {}
+    # entries name a file relative to the step directory (data/train-....arrow: write_outputs) or, as a
+    # ShardWriter returns them, to its data/ folder; either way, as the path relative to the step directory
+    files: list[Path] = []
+    entries = []
+    for entry in manifest.get("files", []):
+        rel = Path(entry["file"])
+        if not (step / rel).is_file() and (step / DATA_DIR / rel).is_file():
+            rel = Path(DATA_DIR) / rel
+        path = step / rel
+        if not path.is_file():
+            raise ShardCorrupt(f"{path}: listed in the sealed batch's manifest {step / layout.SEALED} but missing "
+                               "(moved or deleted after the batch was sealed); restore it from a copy")
+        files.append(path)
+        entries.append({**entry, "file": rel.as_posix()})
+    if verify:
+        check_integrity(step, {**manifest, "files": entries})
+    samples = list(iter_samples([str(f) for f in files], filter=expr, torch=torch)) if files else []
+    return StepBatch(k, step, samples, manifest)

@@ -37,7 +37,9 @@ class RendererHandle(Protocol):
 
     async def finish(self, rollout_id: str, meta: RolloutMeta, last_turn: SampledTurn | None = None) -> int: ...
 
-    async def finish_group(self, items: list[Finished]) -> int: ...
+    async def finish_group(self, items: list[Finished], out_dir: str | None = None) -> int: ...
+
+    async def close_output(self, out_dir: str) -> dict: ...
 
     async def discard(self, rollout_id: str) -> None: ...
 
@@ -99,8 +101,11 @@ class LocalRenderer:
     async def finish(self, rollout_id: str, meta: RolloutMeta, last_turn: SampledTurn | None = None) -> int:
         return self.service.finish(rollout_id, meta, last_turn)
 
-    async def finish_group(self, items: list[Finished]) -> int:
-        return self.service.finish_group(items)
+    async def finish_group(self, items: list[Finished], out_dir: str | None = None) -> int:
+        return self.service.finish_group(items, out_dir)
+
+    async def close_output(self, out_dir: str) -> dict:
+        return self.service.close_output(out_dir)
 
     async def discard(self, rollout_id: str) -> None:
         self.service.discard(rollout_id)

@@ -203,11 +203,12 @@ def _update_manifest_entries(out_dir: Path, entries: dict[str, dict | None]) -> 
 
 
 def _to_current_schema(table: pa.Table) -> pa.Table:
-    """Rows of an older file in the current schema (new columns null), for a rewrite."""
-    from .shards import SCHEMA
+    """Rows of an older file in the current schema, for a rewrite: the sampling columns it lacks are null,
+    the version columns of schema 3 derived (one version per row: ``weight_version``)."""
+    from .shards import SCHEMA, with_version_columns
 
     cols = [table[f.name] if f.name in table.column_names else pa.nulls(table.num_rows, f.type) for f in SCHEMA]
-    return pa.Table.from_arrays(cols, schema=SCHEMA)
+    return with_version_columns(pa.Table.from_arrays(cols, schema=SCHEMA))
 
 
 def rollout_totals(out_dir: Path) -> dict[str, Any]:

@@ -10,7 +10,9 @@ block-diagonal causal (:func:`block_causal_mask` builds it for SDPA/eager attent
 
 Per-token fields in both: ``input_ids`` (int64), ``loss_mask`` (bool), ``advantages`` (float32: the
 sample's advantage on every trainable token, 0 elsewhere), ``inference_logprobs`` (float32: the
-sampler's logprob on trainable tokens, 0 elsewhere). Token ``t`` is trained on the logits at ``t - 1``
+sampler's logprob on trainable tokens, 0 elsewhere), ``weight_versions`` (int32: the weight version that
+sampled each trainable token, -1 on context, padding and a split piece's untrained first token; for an
+importance weight or a staleness statistic per token). Token ``t`` is trained on the logits at ``t - 1``
 of the same sample (:func:`packed_logprobs`), so a sample's first token is never trainable.
 
 Order and bin packing
@@ -68,6 +70,7 @@ class PackedRow:
     inference_logprobs: np.ndarray
     cu_seqlens: np.ndarray
     pieces: list[Piece] = field(default_factory=list)
+    weight_versions: np.ndarray | None = None  # int32, aligned with input_ids: -1 wherever loss_mask is false
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -77,7 +80,8 @@ class PackedRow:
         import torch
 
         out = {k: torch.from_numpy(getattr(self, k))[None] for k in
-               ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs")}
+               ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "weight_versions")
+               if getattr(self, k) is not None}
         out["cu_seqlens"] = torch.from_numpy(self.cu_seqlens)
         return out
 
@@ -125,7 +129,7 @@ def pack(samples: Sequence[Sample], budget: int, *, seed: int = 0, shuffle: bool
 
 
 def _build(items: list[tuple[Sample, int, int]]) -> PackedRow:
-    ids, pos, mask, adv, lps, pieces = [], [], [], [], [], []
+    ids, pos, mask, adv, lps, vers, pieces = [], [], [], [], [], [], []
     cu = [0]
     for s, offset, length in items:
         sl = slice(offset, offset + length)
@@ -137,21 +141,24 @@ def _build(items: list[tuple[Sample, int, int]]) -> PackedRow:
         mask.append(m)
         adv.append(np.where(m, np.float32(s.advantage), np.float32(0)))
         lps.append(np.where(m, np.asarray(s.logprobs[sl], dtype=np.float32), np.float32(0)))
+        vers.append(np.where(m, s.versions()[sl], np.int32(-1)).astype(np.int32))
         pieces.append(Piece(s.name, s.rollout_id, cu[-1], length, offset, np.asarray(s.turn_index[sl])))
         cu.append(cu[-1] + length)
     return PackedRow(np.concatenate(ids), np.concatenate(pos), np.concatenate(mask),
                      np.concatenate(adv).astype(np.float32), np.concatenate(lps).astype(np.float32),
-                     np.asarray(cu, dtype=np.int32), pieces)
+                     np.asarray(cu, dtype=np.int32), pieces, np.concatenate(vers))
 
 
 def pad(samples: Iterable[Sample], pad_id: int = 0) -> dict[str, np.ndarray]:
     """The padded layout: ``[batch, max_len]`` arrays, one sample per row, right-padded (``pad_id`` in
-    ``input_ids``, 0/False elsewhere), with ``attention_mask`` (int64, 1 on real tokens)."""
+    ``input_ids``, -1 in ``weight_versions``, 0/False elsewhere), with ``attention_mask`` (int64, 1 on real
+    tokens)."""
     samples = list(samples)
     n, width = len(samples), max((len(s) for s in samples), default=0)
     out = {"input_ids": np.full((n, width), pad_id, np.int64), "attention_mask": np.zeros((n, width), np.int64),
            "position_ids": np.zeros((n, width), np.int64), "loss_mask": np.zeros((n, width), bool),
-           "advantages": np.zeros((n, width), np.float32), "inference_logprobs": np.zeros((n, width), np.float32)}
+           "advantages": np.zeros((n, width), np.float32), "inference_logprobs": np.zeros((n, width), np.float32),
+           "weight_versions": np.full((n, width), -1, np.int32)}
     for i, s in enumerate(samples):
         k = len(s)
         m = np.asarray(s.loss_mask, dtype=bool)
@@ -161,6 +168,7 @@ def pad(samples: Iterable[Sample], pad_id: int = 0) -> dict[str, np.ndarray]:
         out["loss_mask"][i, :k] = m
         out["advantages"][i, :k] = np.where(m, s.advantage, 0)
         out["inference_logprobs"][i, :k] = np.where(m, s.logprobs, 0)
+        out["weight_versions"][i, :k] = np.where(m, s.versions(), -1)
     return out
 
 

@@ -46,14 +46,13 @@ class _Before(Sequence):
 
 
 class _Rollout:
-    __slots__ = ("builder", "tools", "messages", "breaks", "weight_versions", "last_completion_len")
+    __slots__ = ("builder", "tools", "messages", "breaks", "last_completion_len")
 
     def __init__(self, tools: list[dict] | None, messages: list[dict] | None = None) -> None:
         self.builder = SampleBuilder()
         self.tools = tools
         self.messages = list(messages or [])  # the conversation so far, for a full render after a Break
         self.breaks: list[SegmentBreak] = []
-        self.weight_versions: list[list[int]] = []  # per segment
         self.last_completion_len = 0
 
 
@@ -82,10 +81,14 @@ class RendererService:
         self.turns_bridged = 0
         self._cpu_start = time.process_time()  # this process's CPU time, for the capacity figure in close()
         self._lock = threading.Lock()
+        self._writer_settings = {"stream": stream, "fmt": fmt, "rows_per_file": rows_per_file,
+                                 "flush_interval_s": flush_interval_s}
         # shards go to OUT/data/, the break log beside it (see rollout/shards.py for the layout)
-        self.writer = ShardWriter(Path(out_dir) / DATA_DIR, stream=stream, fmt=fmt, rows_per_file=rows_per_file,
-                                  flush_interval_s=flush_interval_s) if out_dir else None
+        self.writer = ShardWriter(Path(out_dir) / DATA_DIR, **self._writer_settings) if out_dir else None
         self._breaks_path = Path(out_dir) / BREAKS if out_dir else None
+        # per-batch outputs (follow mode: batch k's rows go to RUN_DIR/rollouts/step_k/): one writer per
+        # directory, opened by the first finish_group for it and closed by close_output
+        self._outputs: dict[str, ShardWriter] = {}
 
     def info(self) -> dict:
         r = self.renderer
@@ -99,16 +102,16 @@ class RendererService:
         rendered)."""
         ro = _Rollout(tools, messages)
         ro.builder.start_segment(self.renderer.render(messages, tools, add_generation_prompt=True), turn=0)
-        ro.weight_versions.append([])
         self.rollouts[rollout_id] = ro
         return NextPrompt("render", list(ro.builder.prompt_ids()))
 
     @staticmethod
     def _record(ro: _Rollout, turn: SampledTurn) -> None:
-        ro.builder.add_completion(turn.completion_ids, turn.logprobs, len(ro.messages), turn.index)
+        # per token: the versions the turn carries (a turn a weight update stopped and resumed), else its one
+        versions = turn.versions if turn.versions is not None else turn.weight_version
+        ro.builder.add_completion(turn.completion_ids, turn.logprobs, len(ro.messages), turn.index, versions)
         ro.messages.append(turn.assistant)
         ro.last_completion_len = len(turn.completion_ids)
-        ro.weight_versions[-1].append(turn.weight_version)
 
     def extend(self, rollout_id: str, turn: SampledTurn, new_messages: list[dict]) -> NextPrompt:
         """Record a turn's completion (trainable tokens, its parsed assistant message) and return the
@@ -139,7 +142,6 @@ class RendererService:
             self._log_break(rollout_id, brk)
             ro.breaks.append(brk)
             ro.builder.start_segment(self.renderer.render(ro.messages, ro.tools, add_generation_prompt=True), turn=next_turn)
-            ro.weight_versions.append([])
             return NextPrompt("render", list(ro.builder.prompt_ids()), brk)
         ro.builder.add_bridge(result, offset, next_turn)
         with self._lock:
@@ -158,19 +160,25 @@ class RendererService:
         ro.breaks.append(brk)
         ro.messages, ro.tools = list(messages), tools
         ro.builder.start_segment(rendered, turn=turn)
-        ro.weight_versions.append([])
         return NextPrompt("render", list(ro.builder.prompt_ids()), brk)
 
     def sample(self, rollout_id: str) -> dict[str, Any]:
         """A running rollout's training samples so far (one per segment), its breaks and messages;
-        KeyError for an unknown id."""
+        KeyError for an unknown id.
+
+        Each segment has the shard row's per-token lists, ``token_weight_versions`` (the shard column
+        ``weight_versions``: the version that sampled each token, -1 on context), ``weight_version`` and
+        ``weight_version_max`` (lowest and highest sampled version, 0 with no sampled token), and, as
+        before, ``weight_versions``: one entry per turn that sampled tokens, that turn's lowest version."""
         ro = self.rollouts[rollout_id]
         segments = []
-        for seg, versions in zip(ro.builder.segments, ro.weight_versions):
+        for seg in ro.builder.segments:
+            low, high = seg.version_range()
             segments.append({"token_ids": seg.token_ids, "loss_mask": seg.loss_mask, "logprobs": seg.logprobs,
                              "message_index": seg.message_index, "turn_index": seg.turn_index,
                              "prompt_tokens": seg.prompt_tokens, "completion_tokens": seg.completion_tokens,
-                             "weight_versions": versions})
+                             "weight_versions": _per_turn(seg), "token_weight_versions": seg.weight_versions,
+                             "weight_version": low, "weight_version_max": high})
         return {"segments": segments, "breaks": [b.to_dict() for b in ro.breaks], "messages": list(ro.messages),
                 "tools": ro.tools, "renderer": self.renderer.name,
                 "template_sha256": self.renderer.template_sha256 or "", "model": self.model_name}
@@ -185,13 +193,37 @@ class RendererService:
             self.writer.add(rows)
         return len(rows)
 
-    def finish_group(self, items: list[Finished]) -> int:
+    def finish_group(self, items: list[Finished], out_dir: str | None = None) -> int:
         """``finish`` for every rollout of a group, queued as one unit: a group's rows always land in the
-        same file. Returns the number of rows."""
+        same file. Returns the number of rows.
+
+        ``out_dir`` (follow mode's batch directory, ``RUN_DIR/rollouts/step_k``): the rows go to that
+        directory's own writer (``<out_dir>/data/``, this service's stream, format, ``rows_per_file`` and
+        ``flush_interval_s``), opened on first use; :meth:`close_output` ends it. None: the service's
+        output directory, as before."""
         rows = [row for f in items for row in self._rows(f.rollout_id, f.meta, f.last_turn)]
-        if self.writer is not None:
-            self.writer.add(rows)
+        writer = self.writer if out_dir is None else self._output(out_dir)
+        if writer is not None:
+            writer.add(rows)
         return len(rows)
+
+    def _output(self, out_dir: str) -> ShardWriter:
+        key = os.path.normpath(out_dir)
+        with self._lock:
+            writer = self._outputs.get(key)
+            if writer is None:
+                writer = self._outputs[key] = ShardWriter(Path(key) / DATA_DIR, **self._writer_settings)
+            return writer
+
+    def close_output(self, out_dir: str) -> dict:
+        """Write what is pending for ``out_dir`` (see :meth:`finish_group`) and close its writer: returns
+        ``{"files": [...], "write_error": str | None}`` as :meth:`close` does (file entries as
+        :class:`~rollout.shards.ShardWriter` returns them, names relative to ``<out_dir>/data/``;
+        ``files`` [] when no row went there). A later ``finish_group`` for it opens a new writer, whose
+        files continue the numbering."""
+        with self._lock:
+            writer = self._outputs.pop(os.path.normpath(out_dir), None)
+        return _close_writer(writer)
 
     def flush(self) -> list[dict]:
         """Write every finished rollout still pending to a shard file now (atomically); returns the new
@@ -205,7 +237,6 @@ class RendererService:
         if ro is None:  # failed before its first render: one empty row keeps the rollout accounted for
             ro = _Rollout(None)
             ro.builder.segments.append(Segment())
-            ro.weight_versions.append([])
         segments = [s for s in ro.builder.segments if s.completion_tokens > 0] or ro.builder.segments[-1:]
         s = meta.sampling
         messages = meta.messages if meta.messages is not None else [*ro.messages, *meta.unsent_messages]
@@ -221,12 +252,12 @@ class RendererService:
         }
         rows = []
         for i, seg in enumerate(segments):
-            versions = ro.weight_versions[ro.builder.segments.index(seg)]
+            low, high = seg.version_range()  # (0, 0) for a segment without a sampled token
             rows.append({
                 "token_ids": seg.token_ids, "loss_mask": seg.loss_mask, "logprobs": seg.logprobs,
                 "message_index": seg.message_index, "turn_index": seg.turn_index,
-                "segment_index": i, "segment_count": len(segments),
-                "weight_version": min(versions) if versions else 0,
+                "weight_versions": seg.weight_versions, "segment_index": i, "segment_count": len(segments),
+                "weight_version": low, "weight_version_max": high,
                 "prompt_tokens": seg.prompt_tokens, "completion_tokens": seg.completion_tokens, **shared,
             })
         return rows
@@ -237,14 +268,15 @@ class RendererService:
 
     def close(self) -> dict:
         """Write what is pending and report: the files written, ``write_error`` (the first failed write,
-        naming the file and the cause; None if every write succeeded), break counts, CPU time."""
-        files, write_error = [], None
-        if self.writer is not None:
-            try:
-                files = self.writer.close()
-            except ShardWriteError as exc:
-                files, write_error = self.writer.files, str(exc)
-        return {"files": files, "write_error": write_error, "break_counts": dict(self.break_counts),
+        naming the file and the cause; None if every write succeeded), break counts, CPU time. Per-batch
+        writers still open (:meth:`finish_group` with ``out_dir``) are closed too; each is reported under
+        ``outputs`` ({out_dir: {"files", "write_error"}}), not in ``files``/``write_error``, which stay the
+        service's own output directory's."""
+        own = _close_writer(self.writer)
+        with self._lock:
+            batches, self._outputs = self._outputs, {}
+        outputs = {d: _close_writer(w) for d, w in batches.items()}
+        return {**own, "outputs": outputs, "break_counts": dict(self.break_counts),
                 "turns_bridged": self.turns_bridged, "cpu_s": time.process_time() - self._cpu_start}
 
     def _log_break(self, rollout_id: str, brk: SegmentBreak) -> None:
@@ -261,3 +293,22 @@ class RendererService:
         finally:
             os.close(fd)
 
+
+def _close_writer(writer: ShardWriter | None) -> dict:
+    """Close a writer: ``{"files": its entries, "write_error": the first failed write or None}``."""
+    if writer is None:
+        return {"files": [], "write_error": None}
+    try:
+        return {"files": writer.close(), "write_error": None}
+    except ShardWriteError as exc:
+        return {"files": writer.files, "write_error": str(exc)}
+
+
+def _per_turn(seg: Segment) -> list[int]:
+    """The lowest version of each turn that sampled tokens in ``seg``, in turn order (``sample()``'s
+    ``weight_versions``)."""
+    low: dict[int, int] = {}
+    for turn, v, m in zip(seg.turn_index, seg.weight_versions, seg.loss_mask):
+        if m:
+            low[turn] = min(v, low.get(turn, v))
+    return [low[t] for t in sorted(low)]

@@ -27,7 +27,10 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-SCHEMA_VERSION = "2"  # 2: sampling columns; shards in data/, metadata files named _*.json
+# 2: sampling columns; shards in data/, metadata files named _*.json. 3: per-token ``weight_versions`` and
+# ``weight_version_max`` (follow mode: one completion may hold tokens of two weight versions). Files of an
+# older schema still read: every reader derives the missing columns (:func:`with_version_columns`).
+SCHEMA_VERSION = "3"
 
 DATA_DIR = "data"  # the shards' folder inside an output directory
 STREAM = "train"  # file-name prefix: HF datasets maps it to the "train" split
@@ -41,6 +44,7 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("logprobs", pa.list_(pa.float32()), "the sampler's logprob of each sampled token; 0 elsewhere"),
     ("message_index", pa.list_(pa.int32()), "index into `messages` of the message each token belongs to; -1 scaffolding"),
     ("turn_index", pa.list_(pa.int16()), "the turn whose prompt or completion brought the token in"),
+    ("weight_versions", pa.list_(pa.int32()), "the weight version that sampled each sampled token; -1 where loss_mask is false"),
     ("messages", pa.string(), "JSON: the conversation, parsed assistant messages included"),
     ("reward", pa.float64(), "the rollout's reward"),
     ("reward_components", pa.string(), "JSON object of named reward components"),
@@ -52,7 +56,8 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("segment_count", pa.int32(), "segments of this rollout"),
     ("finish_reason", pa.string(), "why the rollout ended: no_tool_call, env_done, max_turns, length, context_limit, token_budget, error, timeout"),
     ("breaks", pa.string(), "JSON list of the rollout's breaks: turn, reason, detail, position"),
-    ("weight_version", pa.int64(), "the policy version that sampled this segment (the lowest, if it changed)"),
+    ("weight_version", pa.int64(), "the lowest weight version among the segment's sampled tokens (0 if it has none)"),
+    ("weight_version_max", pa.int64(), "the highest weight version among the segment's sampled tokens (0 if it has none)"),
     ("model", pa.string(), ""),
     ("renderer", pa.string(), "renderer family"),
     ("template_sha256", pa.string(), "sha256 of the chat template"),
@@ -65,6 +70,9 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("seed", pa.int64(), "the run's sampling.seed (each turn's seed derives from it and the rollout id); null if unset"),
 ]
 SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "seed")
+# schema 3's columns: a row or file without them (schema <= 2, a hand-built row) gets them derived from
+# loss_mask and weight_version, since such a segment was sampled by one version (with_version_columns)
+VERSION_COLUMNS = ("weight_versions", "weight_version_max")
 
 
 def schema() -> pa.Schema:
@@ -97,11 +105,78 @@ def corrupt_advice(path: str | Path, several: bool = False) -> str:
 
 def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
     """Rows as a table of the schema; the sampling columns may be left out (null: a caller that does not
-    know them), any other missing column is an error naming it."""
-    missing = [name for name, _, _ in COLUMNS if rows and name not in rows[0] and name not in SAMPLING_COLUMNS]
+    know them), and the version columns (derived: :func:`with_version_columns`); any other missing column
+    is an error naming it. ``weight_versions`` must be as long as ``token_ids`` and -1 exactly where
+    ``loss_mask`` is false (a ValueError names the first row that is not)."""
+    optional = SAMPLING_COLUMNS + VERSION_COLUMNS
+    missing = [name for name, _, _ in COLUMNS if rows and name not in rows[0] and name not in optional]
     if missing:
         raise ValueError(f"sample rows lack columns {missing}")
-    return pa.Table.from_pylist(rows, schema=SCHEMA)
+    table = with_version_columns(pa.Table.from_pylist(rows, schema=SCHEMA))
+    _check_versions(table)
+    return table
+
+
+def _rebased(arr: pa.ListArray) -> tuple[pa.Array, pa.Array]:
+    """(values, offsets starting at 0) of a list array, which may be a slice of a larger one."""
+    offsets = arr.offsets
+    return arr.flatten(), pc.subtract(offsets, offsets[0])
+
+
+def with_version_columns(table: pa.Table) -> pa.Table:
+    """``table`` with ``weight_versions`` and ``weight_version_max`` where it lacks them or holds nulls (a
+    file of schema <= 2, a row built without them): such a segment was sampled by one version, so every
+    sampled token gets the row's ``weight_version`` (-1 elsewhere) and the max is ``weight_version``. Other
+    columns are left as they are; a table that has both columns without nulls is returned unchanged."""
+    names = table.column_names
+    have = [c for c in VERSION_COLUMNS if c in names and table[c].null_count == 0]
+    if len(have) == len(VERSION_COLUMNS) or not table.num_rows or "loss_mask" not in names:
+        return table
+    table = table.combine_chunks()
+    low = pc.fill_null(table["weight_version"], 0).combine_chunks() if "weight_version" in names \
+        else pa.array([0] * table.num_rows, pa.int64())
+    if "weight_versions" not in have:
+        mask = table["loss_mask"].combine_chunks()
+        flat, offsets = _rebased(mask)
+        per_token = pc.cast(pc.take(low, pc.list_parent_indices(mask)), pa.int32())
+        derived = pa.ListArray.from_arrays(offsets, pc.if_else(flat, per_token, pa.scalar(-1, pa.int32())),
+                                           type=pa.list_(pa.int32()))
+        if "weight_versions" in names:
+            derived = pc.coalesce(table["weight_versions"].combine_chunks(), derived)
+        table = _set_column(table, "weight_versions", derived)
+    if "weight_version_max" not in have:
+        high = pc.coalesce(table["weight_version_max"].combine_chunks(), low) if "weight_version_max" in names else low
+        table = _set_column(table, "weight_version_max", high)
+    return table
+
+
+def _set_column(table: pa.Table, name: str, values: pa.Array) -> pa.Table:
+    """``table`` with column ``name`` replaced (its field, description included, kept) or appended with
+    the schema's field."""
+    i = table.schema.get_field_index(name)
+    if i >= 0:
+        return table.set_column(i, table.schema.field(i), values)
+    return table.append_column(SCHEMA.field(name), values)
+
+
+def _check_versions(table: pa.Table) -> None:
+    """Raise ValueError naming the first row whose ``weight_versions`` is not aligned with ``token_ids``
+    or is not -1 exactly where ``loss_mask`` is false."""
+    if not table.num_rows:
+        return
+    versions, mask = table["weight_versions"], table["loss_mask"]
+    bad_len = pc.not_equal(pc.list_value_length(versions), pc.list_value_length(table["token_ids"]))
+    if pc.any(bad_len).as_py():
+        i = pc.index(bad_len, True).as_py()
+        raise ValueError(f"row {i} (rollout {table['rollout_id'][i]}): weight_versions has "
+                         f"{len(versions[i])} entries for {len(table['token_ids'][i])} tokens")
+    flat_v, flat_m = pc.list_flatten(versions), pc.list_flatten(mask)
+    # a sampled token has a version >= 0, a context token -1
+    wrong = pc.not_equal(pc.greater_equal(flat_v, 0), flat_m)
+    if pc.any(wrong).as_py():
+        i = pc.list_parent_indices(versions).combine_chunks()[pc.index(wrong, True).as_py()].as_py()
+        raise ValueError(f"row {i} (rollout {table['rollout_id'][i]}): weight_versions must be >= 0 on sampled "
+                         "tokens and -1 where loss_mask is false")
 
 
 class ShardWriter:

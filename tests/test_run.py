@@ -128,13 +128,13 @@ def _old_layout(out, cfg, files: dict[str, list[dict]]) -> None:
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
-    from rollout.shards import SAMPLING_COLUMNS, SCHEMA
+    from rollout.shards import SAMPLING_COLUMNS, SCHEMA, VERSION_COLUMNS
     from tito_renderers import create_renderer, load_tokenizer
 
     from .test_data import synthetic_row
 
     sha = create_renderer(load_tokenizer(cfg.model)).template_sha256
-    old = pa.schema([f for f in SCHEMA if f.name not in SAMPLING_COLUMNS])
+    old = pa.schema([f for f in SCHEMA if f.name not in SAMPLING_COLUMNS + VERSION_COLUMNS])
     out.mkdir(parents=True)
     for name, specs in files.items():
         rows = [dict(synthetic_row(i), model=cfg.model, template_sha256=sha, **spec) for i, spec in enumerate(specs)]
