@@ -97,9 +97,10 @@ async def _drive(work: Awaitable[T], signals: list[int]) -> T | None:
             main.cancel()
 
     for s in (signal.SIGINT, signal.SIGTERM):
+        before = signal.getsignal(s)
         try:
             loop.add_signal_handler(s, stop, s)
-            installed.append(s)
+            installed.append((s, before))
         except (ValueError, RuntimeError):  # not the main thread: no signal handling
             pass
     try:
@@ -109,8 +110,9 @@ async def _drive(work: Awaitable[T], signals: list[int]) -> T | None:
             return None
         raise
     finally:
-        for s in installed:
-            loop.remove_signal_handler(s)
+        for s, before in installed:
+            loop.remove_signal_handler(s)  # resets the Python default handler, not the one found ...
+            signal.signal(s, before)  # ... so until the run's own block ends, a signal still flushes first
 
 
 def shutdown_ray() -> None:

@@ -152,26 +152,24 @@ def test_weights_published_mid_turn_stamp_each_token_with_the_version_that_sampl
     assert h.driver.resumed_turns >= 1, h.lines
     rows = [s for k in (1, 2) for s in load_samples(layout.step_dir(tmp_path, k))]
     assert len(rows) == 8 and len({s.rollout_id for s in rows}) == 8
-    spanning = [s for s in rows if len(set(int(v) for v in s.weight_versions if v >= 0)) == 2]
+    spanning = {s.rollout_id for s in rows if len({int(v) for v in s.weight_versions if v >= 0}) == 2}
     assert spanning, "no rollout spans the update"
     states = {0: base, 1: v1}
-    worst = 0.0
-    other_gap = 0.0
+    worst = other_gap = 0.0
     for s in rows:
         ids = [int(t) for t in s.token_ids]
         versions = [int(v) for v in s.weight_versions]
-        mask = [bool(m) for m in s.loss_mask]
-        assert [v >= 0 for v in versions] == mask  # -1 exactly on context tokens
+        assert [v >= 0 for v in versions] == [bool(m) for m in s.loss_mask]  # -1 exactly on context tokens
         assert s.meta["weight_version"] == min(v for v in versions if v >= 0)
         assert s.meta["weight_version_max"] == max(versions)
-        by_version = {v: _forward_logprobs(model, states[v], ids) for v in set(versions) if v >= 0}
+        # every row under both versions: its own must match, and (where it spans) the other must not
+        by_version = {v: _forward_logprobs(model, states[v], ids) for v in (0, 1)}
         for t, v in enumerate(versions):
             if v < 0:
                 continue
             worst = max(worst, abs(float(s.logprobs[t]) - float(by_version[v][t])))
-            if s in spanning:
-                other = _forward_logprobs(model, states[1 - v], ids) if len(by_version) == 1 else by_version[1 - v]
-                other_gap = max(other_gap, abs(float(s.logprobs[t]) - float(other[t])))
+            if s.rollout_id in spanning:
+                other_gap = max(other_gap, abs(float(s.logprobs[t]) - float(by_version[1 - v][t])))
     model.load_state_dict(base)
     assert worst <= 1e-4, worst
     assert other_gap > 1e-2  # the check tells the versions apart: a wrong stamp would fail it

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ._support import REPO, tokenizer_dir
+from ._support import REPO, sigint_default, tokenizer_dir
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
 pytestmark = pytest.mark.slow
@@ -164,7 +164,7 @@ def test_repeated_ctrl_c_is_ignored_after_the_first(tmp_path, ray_tmp):
     config = _replay_config(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "run", config], cwd=REPO,
                             env=dict(ENV, RAY_TMPDIR=ray_tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=sigint_default)  # Ctrl-C as in a terminal
     seen, sent = [], 0
     try:
         for line in proc.stderr:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ._support import http_call, ours, tokenizer_dir
+from ._support import http_call, ours, sigint_default, tokenizer_dir
 
 QWEN = "qwen2.5-7b-instruct"
 VOCAB = 151665
@@ -334,7 +334,7 @@ def test_tito_serve_takes_the_key_from_the_environment_and_never_prints_it(tmp_p
            "--set", "server.log_level=debug", "--set", f"server.admin_api_key={ADMIN_KEY}",
            "--set", "engine={backend: replay, options: {synthetic: true, vocab_size: 151665, max_model_len: 1024}}"]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=Path(__file__).resolve().parents[1], preexec_fn=sigint_default)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180

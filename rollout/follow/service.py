@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import shutil
 import statistics
@@ -52,6 +51,7 @@ from ..shards import (
     write_manifest,
 )
 from . import layout
+from .metrics import MetricsSink
 
 
 def min_version(k: int, max_off_policy_steps: int) -> int:
@@ -220,6 +220,7 @@ class FollowService:
             return self.sealed
         if self.sealed:
             self.log(f"resuming {self.run_dir} after sealed batch {self.sealed}")
+        self.metrics = MetricsSink(self.run_dir, self.config, log=self.log)  # metrics.jsonl (+ W&B if configured)
         # a restarted service first loads the trainer's newest weights, so admission sees the real version
         await self.weights.poll_once()
         watcher = asyncio.create_task(self.weights.watch(), name="tito-follow-weights")
@@ -236,6 +237,7 @@ class FollowService:
             for t in (watcher, admitter, *self._batches):
                 t.cancel()
             await asyncio.gather(watcher, admitter, *self._batches, return_exceptions=True)
+            self.metrics.close()
         return self.sealed
 
     async def _admit_all(self) -> None:
@@ -277,7 +279,7 @@ class FollowService:
                 "batch_s": round(time.time() - started, 3), "elapsed_s": round(time.time() - self.t0, 3),
                 "resumed_turns": self.driver.resumed_turns, "weight_updates": updates}
         line = seal_batch(self.run_dir, k, files=files, outcomes=flat, bound=need, info=info, config=self.config)
-        append_metrics(self.run_dir, line)
+        self.metrics.log(line)
         async with self._sealed_changed:
             self.sealed = k
             self._sealed_changed.notify_all()
@@ -355,10 +357,3 @@ def seal_batch(run_dir: Path, k: int, *, files: list[dict], outcomes: list[Rollo
             "staleness": follow["staleness"], "token_staleness_mean": follow["token_staleness_mean"],
             "tokens_per_version": follow["tokens_per_version"], "spanning_versions": follow["spanning_versions"],
             "errors": totals["errors"], **info}
-
-
-def append_metrics(run_dir: Path, line: dict[str, Any]) -> None:
-    with open(Path(run_dir) / layout.METRICS, "a") as f:
-        f.write(json.dumps(line) + "\n")
-
-
