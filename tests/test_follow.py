@@ -14,6 +14,7 @@ import torch
 
 from rollout.config import FollowConfig, RunConfig
 from rollout.data import load_samples
+from rollout.engines.protocol import close_backend
 from rollout.envs.base import Task
 from rollout.envs.registry import make_env
 from rollout.follow import layout
@@ -67,11 +68,11 @@ def _config(**follow) -> RunConfig:
 class Harness:
     """The service's parts in this process: one embedded engine, one renderer service, a driver."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, model_path: str, tasks: list[Task]) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, model_path: str, tasks: list[Task], engine=None) -> None:
         from rollout.engines.embedded import EmbeddedEngine
         from rollout.startup import create_parser
 
-        self.engine = EmbeddedEngine(model_path, threads=1, max_batch=8, fetch=False)
+        self.engine = engine or EmbeddedEngine(model_path, threads=1, max_batch=8, fetch=False)
         self.service = RendererService(model_path, out_dir=str(run_dir / layout.ROLLOUTS), flush_interval_s=None)
         parser = create_parser(cfg.renderer, model_path)
         engines, renderers = [LocalEngine(self.engine)], [LocalRenderer(self.service)]
@@ -122,35 +123,49 @@ def test_recover_keeps_the_sealed_prefix_and_removes_the_rest(tmp_path):
     assert recover(tmp_path / "nothing-yet") == 0
 
 
-def test_weights_published_mid_turn_stamp_each_token_with_the_version_that_sampled_it(tmp_path, model_path,
-                                                                                      base_state):
-    """abort_resume: a turn stopped by the update keeps its tokens (old version) and goes on under the new
-    weights; every sampled token's logprob equals a plain forward pass under the version recorded for it."""
-    model, base = base_state
+async def _turns_under_way(h: Harness) -> None:
+    """Until some tokens of running turns are sampled (the embedded engine counts them; any engine: a moment
+    after requests are in flight)."""
+    stats = getattr(h.engine, "stats", None)
+    while not h.driver._in_flight or (stats is not None and stats["decode_tokens"] < 24):
+        await asyncio.sleep(0.01)
+    if stats is None:
+        await asyncio.sleep(0.5)
+
+
+def check_mid_turn_update(run_dir: Path, model_path: str, model, base: dict, *, make_engine=None,
+                          atol: float) -> None:
+    """abort_resume on ``engine``: a turn stopped by the update keeps its tokens (old version) and goes on under
+    the new weights; every sampled token's logprob equals a plain forward pass of ``model`` under the weights of
+    the version recorded for it (within ``atol``), and differs from the other version's where a rollout spans."""
     v1 = _perturbed(base, 1.3)
     cfg = _config(max_steps=2, max_off_policy_steps=1)
-    h = Harness(cfg, tmp_path, model_path, _tasks(4))
     # the checkpoint is on disk before the run, without STABLE: it must not be loaded until STABLE appears
-    staged = publish_weights(tmp_path / "staging", 1, v1, config=_config_of(model))
-    target = layout.broadcast_dir(tmp_path, 1)
+    staged = publish_weights(run_dir / "staging", 1, v1, config=_config_of(model))
+    target = layout.broadcast_dir(run_dir, 1)
     target.parent.mkdir(parents=True)
     staged.rename(target)
     (target / layout.STABLE).unlink()
 
-    async def trainer() -> None:
-        while h.engine.stats["decode_tokens"] < 24:  # turns are under way
-            await asyncio.sleep(0.01)
-        assert h.engine.weight_version == 0  # no STABLE yet: never loaded
+    async def trainer(h: Harness) -> None:
+        await _turns_under_way(h)
+        assert h.engine.info().weight_version == 0  # no STABLE yet: never loaded
         (target / layout.STABLE).touch()
 
-    async def main() -> int:
-        sealed, _ = await asyncio.gather(h.follow.run(), trainer())
-        return sealed
+    async def main() -> tuple[Harness, int]:
+        # the engine is built on the loop that runs it (vLLM's AsyncLLM binds to it)
+        h = Harness(cfg, run_dir, model_path, _tasks(4), engine=make_engine() if make_engine else None)
+        try:
+            sealed, _ = await asyncio.gather(h.follow.run(), trainer(h))
+        finally:
+            await close_backend(h.engine)
+        return h, sealed
 
-    assert asyncio.run(main()) == 2
+    h, sealed = asyncio.run(main())
+    assert sealed == 2
     h.service.close()
     assert h.driver.resumed_turns >= 1, h.lines
-    rows = [s for k in (1, 2) for s in load_samples(layout.step_dir(tmp_path, k))]
+    rows = [s for k in (1, 2) for s in load_samples(layout.step_dir(run_dir, k))]
     assert len(rows) == 8 and len({s.rollout_id for s in rows}) == 8
     spanning = {s.rollout_id for s in rows if len({int(v) for v in s.weight_versions if v >= 0}) == 2}
     assert spanning, "no rollout spans the update"
@@ -171,14 +186,20 @@ def test_weights_published_mid_turn_stamp_each_token_with_the_version_that_sampl
             if s.rollout_id in spanning:
                 other_gap = max(other_gap, abs(float(s.logprobs[t]) - float(by_version[1 - v][t])))
     model.load_state_dict(base)
-    assert worst <= 1e-4, worst
+    assert worst <= atol, worst
     assert other_gap > 1e-2  # the check tells the versions apart: a wrong stamp would fail it
-    metrics = [json.loads(line) for line in (tmp_path / layout.METRICS).read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_dir / layout.METRICS).read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     updates = [u for m in metrics for u in m["weight_updates"]]
     assert [u["version"] for u in updates] == [1] and updates[0]["aborted_requests"] >= 1
-    manifest = read_manifest(layout.step_dir(tmp_path, 2))
+    manifest = read_manifest(layout.step_dir(run_dir, 2))
     assert manifest["follow"]["step"] == 2 and manifest["follow"]["min_version"] == 0
+
+
+def test_weights_published_mid_turn_stamp_each_token_with_the_version_that_sampled_it(tmp_path, model_path,
+                                                                                      base_state):
+    model, base = base_state
+    check_mid_turn_update(tmp_path, model_path, model, base, atol=1e-4)
 
 
 def test_without_new_weights_it_seals_s_plus_one_batches_then_waits_idle(tmp_path, model_path, base_state):
@@ -211,7 +232,7 @@ def test_without_new_weights_it_seals_s_plus_one_batches_then_waits_idle(tmp_pat
         (d / "config.json").write_text(json.dumps(_config_of(model)))
         (d / layout.STABLE).touch()
         await asyncio.sleep(1.0)
-        assert h.engine.weight_version == 0 and h.follow.sealed == 2 and not run.done()
+        assert h.engine.info().weight_version == 0 and h.follow.sealed == 2 and not run.done()
         refused = [line for line in h.lines if "refused" in line]
         assert len(refused) == 1 and "model.layers.2.mlp.up_proj.weight" in refused[0], h.lines
         publish_weights(tmp_path, 2, _perturbed(base, 1.1), config=_config_of(model))
