@@ -178,6 +178,74 @@ def test_resume_repairs_split_and_duplicated_groups_of_the_old_layout(tmp_path):
     assert summary["rollouts"] == 6 and summary["tasks"] == 3
 
 
+def test_resume_of_a_schema_2_directory(tmp_path):
+    """A directory written before per-token weight versions (schema 2: shards in data/ without
+    weight_versions / weight_version_max) resumes: its partial group is repaired into a schema 3 file with
+    the versions derived, the new files sit beside the old one, and every reader sees both."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    from rollout.data import iter_samples
+    from rollout.outputs import write_outputs
+    from rollout.shards import DATA_DIR, SCHEMA, VERSION_COLUMNS
+    from tito_renderers import create_renderer, load_tokenizer
+
+    from .test_data import synthetic_row
+
+    cfg = _config(tmp_path)
+    out = tmp_path / "out"
+    whole, partial, _ = [t.task_id for t in make_env("try_again").generate_tasks(3, 0)]
+    sha = create_renderer(load_tokenizer(cfg.model)).template_sha256
+    rows = [dict(synthetic_row(i), model=cfg.model, template_sha256=sha, task_id=t, group_id=t, rollout_id=f"{t}#{k}",
+                 segment_count=1, breaks="[]", weight_version=2)
+            for i, (t, k) in enumerate([(whole, 0), (whole, 1), (partial, 0)])]
+    old = pa.schema([f for f in SCHEMA if f.name not in VERSION_COLUMNS], metadata={"tito.schema_version": "2"})
+    (out / DATA_DIR).mkdir(parents=True)
+    with pa.OSFile(str(out / DATA_DIR / "train-r0-00000.arrow"), "wb") as sink, ipc.new_file(sink, old) as w:
+        w.write_table(pa.Table.from_pylist([{k: r.get(k) for k in old.names} for r in rows], schema=old))
+    write_outputs(out, cfg.model_dump(mode="json"), {"template_sha256": sha})
+
+    summary = run(cfg, RAY, resume=True, progress=False)
+    assert summary["this_run"]["groups_rerun_after_repair"] == [partial]
+    assert summary["this_run"]["rollouts"] == 4 and summary["rollouts"] == 6
+    repaired = read_table(out / DATA_DIR / "train-r0-00000.arrow")
+    assert repaired.schema.metadata[b"tito.schema_version"] == b"3"
+    assert repaired["weight_version_max"].to_pylist() == [2, 2]
+    samples = list(iter_samples(out))
+    assert len({s.rollout_id for s in samples}) == 6
+    for s in samples:
+        assert len(s.weight_versions) == len(s.token_ids)
+        assert ((s.weight_versions >= 0) == s.loss_mask).all()
+        want = 2 if s.rollout_id.startswith(whole) else 0  # the old rows' one version; the replay engine's 0
+        assert set(s.weight_versions[s.loss_mask].tolist()) == {want} and s.meta["weight_version_max"] == want
+    assert summarize(out)["rollouts"] == 6
+
+
+def test_a_ray_renderer_writes_batch_outputs(tmp_path):
+    from actors.renderer import start_renderer_actors
+    from rollout.shards import DATA_DIR
+    from rollout.turns import Finished, RolloutMeta, SampledTurn
+
+    (renderer,) = start_renderer_actors(1, str(tokenizer_dir("qwen2.5-7b-instruct")), num_cpus=0)
+    step = str(tmp_path / "rollouts" / "step_1")
+
+    async def main():
+        await renderer.begin("t#0", [{"role": "user", "content": "hi"}], None)
+        await renderer.record_turn("t#0", SampledTurn(0, [40, 41, 42], None, 5, {"role": "assistant", "content": "x"},
+                                                      versions=[5, 6, 6]))
+        await renderer.finish_group([Finished("t#0", RolloutMeta(task_id="t", group_id="t"))], out_dir=step)
+        return await renderer.close_output(step)
+
+    try:
+        closed = asyncio.run(main())
+    finally:
+        ray.kill(renderer.actor)
+    assert closed["write_error"] is None and [f["rows"] for f in closed["files"]] == [1]
+    row = read_table(tmp_path / "rollouts" / "step_1" / DATA_DIR / closed["files"][0]["file"]).to_pylist()[0]
+    assert [v for v, m in zip(row["weight_versions"], row["loss_mask"]) if m] == [5, 6, 6]
+    assert (row["weight_version"], row["weight_version_max"]) == (5, 6)
+
+
 def test_resume_with_other_sampling_is_an_error_before_anything_runs(tmp_path):
     from rollout.outputs import ResumeMismatch, write_outputs
     from rollout.shards import DATA_DIR, ShardWriter

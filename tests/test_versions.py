@@ -42,6 +42,22 @@ def model() -> str:
     return str(tokenizer_dir(MODEL))
 
 
+@pytest.fixture(scope="module")
+def service(model):
+    """RendererService(model, **kw), the tokenizer loaded once for the module (seconds each on 2 cores)."""
+    from unittest import mock
+
+    import tito_renderers
+
+    tok = tito_renderers.load_tokenizer(model)
+
+    def make(**kw) -> RendererService:
+        with mock.patch.object(tito_renderers, "load_tokenizer", return_value=tok):
+            return RendererService(model, **kw)
+
+    return make
+
+
 def _two_version_rollout(svc: RendererService, rid: str = "t#0") -> list[int]:
     """One rollout whose second turn a weight update stopped: tokens of versions 3, 3, 4, 4. Returns the
     prompt's length."""
@@ -64,8 +80,8 @@ def _group_meta(rid: str = "t#0") -> Finished:
 # ---- shards ---------------------------------------------------------------------------------------
 
 
-def test_a_turn_sampled_by_two_versions_keeps_each_tokens_version(tmp_path, model):
-    svc = RendererService(model, out_dir=str(tmp_path))
+def test_a_turn_sampled_by_two_versions_keeps_each_tokens_version(tmp_path, service):
+    svc = service(out_dir=str(tmp_path))
     prompt = _two_version_rollout(svc)
     assert svc.finish_group([_group_meta()]) == 1
     out = svc.close()
@@ -80,8 +96,8 @@ def test_a_turn_sampled_by_two_versions_keeps_each_tokens_version(tmp_path, mode
     assert (row["weight_version"], row["weight_version_max"]) == (3, 4)
 
 
-def test_session_sample_shows_per_token_versions_and_keeps_per_turn_ones(model):
-    svc = RendererService(model)
+def test_session_sample_shows_per_token_versions_and_keeps_per_turn_ones(service):
+    svc = service()
     _two_version_rollout(svc, "s")
     (seg,) = svc.sample("s")["segments"]
     assert seg["weight_versions"] == [3, 3]  # as before: one per turn, its lowest version
@@ -90,8 +106,8 @@ def test_session_sample_shows_per_token_versions_and_keeps_per_turn_ones(model):
     assert (seg["weight_version"], seg["weight_version_max"]) == (3, 4)
 
 
-def test_a_rollout_without_sampled_tokens_is_version_0(tmp_path, model):
-    svc = RendererService(model, out_dir=str(tmp_path))
+def test_a_rollout_without_sampled_tokens_is_version_0(tmp_path, service):
+    svc = service(out_dir=str(tmp_path))
     svc.begin("t#0", [{"role": "user", "content": "hi"}], None)
     svc.finish_group([Finished("t#0", RolloutMeta(task_id="t", group_id="t", error="engine died")),
                       Finished("t#1", RolloutMeta(task_id="t", group_id="t", error="never rendered"))])
@@ -101,8 +117,8 @@ def test_a_rollout_without_sampled_tokens_is_version_0(tmp_path, model):
         assert set(row["weight_versions"]) <= {-1} and len(row["weight_versions"]) == len(row["token_ids"])
 
 
-def test_misaligned_versions_are_refused(model):
-    svc = RendererService(model)
+def test_misaligned_versions_are_refused(service):
+    svc = service()
     svc.begin("r", [{"role": "user", "content": "hi"}], None)
     with pytest.raises(ValueError, match="3 weight versions for 2 completion tokens"):
         svc.record_turn("r", SampledTurn(0, [1, 2], None, 0, {"role": "assistant", "content": "x"}, versions=[0, 0, 1]))
@@ -292,8 +308,8 @@ def test_read_step_takes_writer_entries_relative_to_data(tmp_path):
 # ---- per-batch outputs of the renderer service ----------------------------------------------------
 
 
-def test_batches_land_in_their_own_directories(tmp_path, model):
-    svc = RendererService(model, out_dir=str(tmp_path / "run"), stream="train-r3", rows_per_file=1024)
+def test_batches_land_in_their_own_directories(tmp_path, service):
+    svc = service(out_dir=str(tmp_path / "run"), stream="train-r3", rows_per_file=1024)
     steps = {k: layout.step_dir(tmp_path, k) for k in (1, 2)}
     for k, rid in ((1, "a#0"), (2, "b#0"), (1, "c#0")):
         _two_version_rollout(svc, rid)
@@ -316,12 +332,12 @@ def test_batches_land_in_their_own_directories(tmp_path, model):
     assert read_table(steps[2] / DATA_DIR / "train-r3-00000.arrow")["rollout_id"].to_pylist() == ["b#0"]
 
 
-def test_local_renderer_handle_passes_out_dir(tmp_path, model):
+def test_local_renderer_handle_passes_out_dir(tmp_path, service):
     import asyncio
 
     from rollout.handles import LocalRenderer
 
-    svc = RendererService(model)  # no output directory of its own: batch outputs still work
+    svc = service()  # no output directory of its own: batch outputs still work
     handle = LocalRenderer(svc)
     _two_version_rollout(svc)
 
