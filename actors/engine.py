@@ -5,10 +5,10 @@ inside itself, on the actor's event loop (vLLM's ``AsyncLLM`` binds to the loop 
 in rollout/engines; this module only places it on Ray.
 
 * It is an async actor. ``generate`` runs in the default concurrency group, bounded by ``max_concurrency`` (the
-  number of generate calls in flight per engine). ``abort``, ``update_weights``, ``info``, ``health``, ``start``
-  and the admin calls (``reset_prefix_cache``, ``sleep``, ``wake_up``, ``world_size``, ``drop_session``; a
-  backend without one raises :class:`~rollout.engines.protocol.Unsupported`) run in a separate "control" group,
-  so an abort or a health probe is never queued behind a full set of generate calls.
+  number of generate calls in flight per engine). ``abort``, ``update_weights``, ``validate_weights``, ``info``,
+  ``health``, ``start`` and the admin calls (``reset_prefix_cache``, ``sleep``, ``wake_up``, ``world_size``,
+  ``drop_session``; a backend without one raises :class:`~rollout.engines.protocol.Unsupported`) run in a
+  separate "control" group, so an abort or a health probe is never queued behind a full set of generate calls.
 * Ray runs each concurrency group on its own event loop (its own thread), while a backend is bound to the loop
   that built it (vLLM's output handler, the embedded engine's futures). So every backend call is run on that one
   home loop, whichever group's loop received it (:meth:`EngineActorImpl._home`); cancelling the caller cancels
@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import ray
 
+from rollout.engines.checkpoint import backend_free_check
 from rollout.engines.factory import EngineSpec, build_backend
 from rollout.engines.protocol import (
     EngineBackend,
@@ -150,6 +151,15 @@ class EngineActorImpl:
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def update_weights(self, path: str, version: int) -> None:
         await self._home((await self._ensure()).update_weights(path, version))
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def validate_weights(self, path: str) -> dict[str, Any]:
+        """Check a checkpoint without loading it (the backend's ``validate_weights``; for a backend without one,
+        the model-free check of rollout/engines/checkpoint.py). Returns the report; raises CheckpointError."""
+        backend = await self._ensure()
+        if callable(getattr(backend, "validate_weights", None)):
+            return await self._home(backend.validate_weights(path))
+        return await asyncio.to_thread(backend_free_check, path)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def info(self) -> EngineInfo:

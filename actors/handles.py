@@ -79,6 +79,9 @@ class RayEngine:
     async def update_weights(self, path: str, version: int) -> None:
         await self.actor.update_weights.remote(path, version)
 
+    async def validate_weights(self, path: str) -> dict[str, Any]:
+        return await self.actor.validate_weights.remote(path)
+
     async def health(self) -> dict[str, Any]:
         return await self.actor.health.remote()
 

@@ -8,6 +8,7 @@ for tests and an engine that runs inside the server; the Ray ones in actors/hand
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
@@ -59,6 +60,11 @@ class EngineHandle(Protocol):
     async def abort(self, request_id: str) -> bool: ...
 
     async def update_weights(self, path: str, version: int) -> None: ...
+
+    async def validate_weights(self, path: str) -> dict[str, Any]:
+        """Check a checkpoint without loading it (rollout/engines/checkpoint.py): the report (files, tensors,
+        bytes, seconds), or CheckpointError naming the problem and the tensor. Nothing pauses or changes."""
+        ...
 
     async def health(self) -> dict[str, Any]: ...
 
@@ -116,8 +122,8 @@ class LocalRenderer:
 
 class LocalEngine:
     """An engine backend in this process. The admin calls a backend may lack: ``health`` reports ok,
-    ``world_size`` is 1, ``drop_session`` does nothing (no KV kept per session), and the others raise
-    Unsupported naming the backend."""
+    ``world_size`` is 1, ``drop_session`` does nothing (no KV kept per session), ``validate_weights`` runs the
+    model-free check (layout, headers, finite values), and the others raise Unsupported naming the backend."""
 
     def __init__(self, backend: EngineBackend) -> None:
         self.backend = backend
@@ -138,6 +144,13 @@ class LocalEngine:
 
     async def update_weights(self, path: str, version: int) -> None:
         await self.backend.update_weights(path, version)
+
+    async def validate_weights(self, path: str) -> dict[str, Any]:
+        if callable(getattr(self.backend, "validate_weights", None)):
+            return await self.backend.validate_weights(path)
+        from .engines.checkpoint import backend_free_check  # a backend without a model-aware check
+
+        return await asyncio.to_thread(backend_free_check, path)
 
     async def health(self) -> dict[str, Any]:
         if not callable(getattr(self.backend, "health", None)):

@@ -8,7 +8,8 @@ Beyond the suite: the prefix cache hits whole blocks and is salted by the weight
 validation errors reach the caller as EngineError with vLLM's message; pause and resume; a weight update from
 a checkpoint written by a training step (scripts/train_step_demo.py's ``save_checkpoint``) changes the
 logprobs to those of a plain fp32 forward pass of the NEW weights, while a request in flight during the update
-finishes under the old ones; a bad checkpoint path fails the update and the engine keeps serving.
+finishes under the old ones; a bad checkpoint path fails the update and the engine keeps serving; a checkpoint
+missing a tensor or holding NaN is refused naming the tensor (rollout/engines/checkpoint.py), changing nothing.
 """
 
 from __future__ import annotations
@@ -223,6 +224,53 @@ async def check_weight_update_from_training_step(backend, tmp: Path) -> None:
     await backend.update_weights(MODEL, v0 + 2)  # back to the base weights for whatever runs next
 
 
+def _broken_checkpoint(base: str, target: Path, change: str) -> Path:
+    """The base model's weights with one tensor dropped ("missing") or holding NaN ("nan"), as one
+    model.safetensors with the base's config.json."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(Path(base) / "model.safetensors"))
+    if change == "missing":
+        del tensors[BROKEN_TENSOR]
+    else:
+        tensors[BROKEN_TENSOR] = tensors[BROKEN_TENSOR].clone()
+        tensors[BROKEN_TENSOR].view(-1)[:4] = float("nan")
+    target.mkdir(parents=True)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copyfile(Path(base) / "config.json", target / "config.json")
+    return target
+
+
+BROKEN_TENSOR = "model.layers.3.self_attn.q_proj.weight"
+
+
+async def check_bad_checkpoint_contents(backend) -> None:
+    """A checkpoint whose headers read but whose contents are wrong (a tensor missing; NaN values) is refused by
+    update_weights with a CheckpointError naming the tensor, before the gate closes: the version and the greedy
+    output stay. validate_weights checks the model's own directory without loading it."""
+    import tempfile
+
+    from rollout.engines.checkpoint import CheckpointError
+
+    report = await backend.validate_weights(MODEL)
+    assert report["tensors"] > 0 and report["values_checked"], report
+    tmp = Path(tempfile.mkdtemp(prefix="tito-vllm-bad-"))
+    try:
+        prompt = _prompt(16, start=700)
+        before = (await backend.generate(_req("bad-before", prompt, max_tokens=6, ignore_eos=True))).results[0]
+        version = backend.info().weight_version
+        for change, needle in (("missing", "lacks 1 of the model's"), ("nan", "4 NaN and 0 inf")):
+            path = await asyncio.to_thread(_broken_checkpoint, MODEL, tmp / change, change)
+            with pytest.raises(CheckpointError) as caught:
+                await backend.update_weights(str(path), version + 1)
+            assert needle in str(caught.value) and BROKEN_TENSOR in str(caught.value), str(caught.value)
+            assert backend.info().weight_version == version
+        after = (await backend.generate(_req("bad-after", prompt, max_tokens=6, ignore_eos=True))).results[0]
+        assert after.completion_ids == before.completion_ids and after.logprobs == before.logprobs
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 async def _weight_update_check(backend) -> None:
     import tempfile
 
@@ -244,6 +292,7 @@ TestRealVLLMConformance = conformance_tests(
         "greedy_n_copies": check_greedy_n_copies,
         "pause_resume": check_pause_resume,
         "weight_update_from_training_step": _weight_update_check,
+        "bad_checkpoint_contents": check_bad_checkpoint_contents,
     },
     timeout_s=600.0,
 )

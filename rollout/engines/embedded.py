@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .checkpoint import CheckpointError, CheckpointValidator, expected_from_model
 from .embedded_kv import (
     BatchKV,
     SamplerRow,
@@ -116,6 +117,8 @@ class EmbeddedEngine:
         self.model_name = str(model)
         self.model = load_causal_lm(model, device=str(self.device), fetch=fetch)
         self.model.config._attn_implementation = register_attention()
+        # what every checkpoint must match; taken once: a load that changed the architecture is refused
+        self._validate = CheckpointValidator(expected_from_model(self.model))
         cfg = self.model.config
         self.max_batch = max_batch
         self.prefill_tokens_per_step = prefill_tokens_per_step
@@ -184,17 +187,31 @@ class EmbeddedEngine:
         return True
 
     async def update_weights(self, path: str, version: int) -> None:
-        """Load weights from an HF safetensors directory (or GGUF) and stamp later results with ``version``.
+        """Load weights from an HF safetensors directory and stamp later results with ``version``.
 
-        The swap happens between steps once the running requests have finished (new requests wait), so
-        every result comes from exactly one weight version. Session KV computed with the old weights is
-        dropped.
+        The checkpoint is validated first (:meth:`validate_weights`), on a worker thread while the engine keeps
+        serving: a refused one raises :class:`~rollout.engines.checkpoint.CheckpointError` naming the problem
+        and the tensor, and nothing waits, drains or changes. Then the swap happens between steps once the
+        running requests have finished (new requests wait), so every result comes from exactly one weight
+        version. Session KV computed with the old weights is dropped. A load that still fails raises
+        EngineError; the old weights and version stay.
         """
+        try:
+            await asyncio.to_thread(self._validate, str(path))
+        except CheckpointError as exc:
+            raise exc.refused_by("update_weights") from None
         self._ensure_scheduler()
         fut = asyncio.get_running_loop().create_future()
         self._updates.append((str(path), version, fut))
         self._wake.set()
         await fut
+
+    async def validate_weights(self, path: str) -> dict:
+        """Check that ``path`` is a checkpoint this model can load, without loading it (rollout/engines/checkpoint.py:
+        layout, config.json, every tensor's name, shape and dtype against this model, finite values). Runs on a
+        worker thread, so requests go on meanwhile. Returns the report (files, tensors, bytes, seconds); raises
+        CheckpointError. An unchanged checkpoint that passed is not read again by the next update_weights."""
+        return (await asyncio.to_thread(self._validate, str(path))).as_dict()
 
     async def wait_idle(self) -> None:
         """Return once nothing runs or waits (results are delivered one step before a finished sequence's

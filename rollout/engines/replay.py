@@ -27,7 +27,8 @@ Contract:
   :meth:`ReplayEngine.info` reports ``max_logprobs=0`` and ``scores_prompts=False``, so ``top_logprobs`` and
   ``prompt_logprobs`` are refused by ``validate_request`` with a message naming them.
 * Results carry the engine's current ``weight_version`` (set by :meth:`update_weights`, which accepts any path and
-  reads nothing) and ``cached_prompt_tokens=0``.
+  reads nothing) and ``cached_prompt_tokens=0``. :meth:`ReplayEngine.validate_weights` checks what needs no model
+  (layout, headers, finite values).
 """
 
 from __future__ import annotations
@@ -200,6 +201,18 @@ class ReplayEngine:
     async def update_weights(self, path: str, version: int) -> None:
         """Accepts any path (nothing is read); later results carry ``version``."""
         self._version = int(version)
+
+    async def validate_weights(self, path: str) -> dict:
+        """What can be checked without a model: ``path`` is a directory of safetensors files whose headers read,
+        whose ``config.json`` (not required) is JSON, and whose floating tensors are all finite
+        (:func:`~rollout.engines.checkpoint.validate_checkpoint` with ``expected=None``). Tensor names and shapes
+        are not checked: there is no model to compare them with. So a replay fleet standing in for a real one
+        (tests, ``tito serve`` with replay engines) refuses a broken checkpoint as a real one would, while
+        :meth:`update_weights` itself still reads nothing. Returns the report; raises CheckpointError."""
+        from rollout.engines.checkpoint import validate_checkpoint
+
+        report = await asyncio.to_thread(validate_checkpoint, path, None, require_config=False)
+        return report.as_dict()
 
     async def abort(self, request_id: str) -> bool:
         running = self._running.get(request_id)

@@ -16,7 +16,8 @@ What it sends to vLLM (see docs/engines.md and the vLLM 0.33 notes):
   ``stop_token_ids`` (``ignore_eos=True`` sends no stop ids: the protocol's ignore_eos samples through all of
   them), and the prompt as ``tokens_input(ids, cache_salt="tito-w<version>")``: prefix caching is salted by the
   weight version, so KV computed under old weights is never reused.
-* Weight update from a checkpoint directory (:meth:`VLLMEngine.update_weights`): new requests wait at a gate,
+* Weight update from a checkpoint directory (:meth:`VLLMEngine.update_weights`): the checkpoint is validated
+  against the model vLLM loaded (rollout/engines/checkpoint.py), then new requests wait at a gate,
   in-flight ones drain (or are aborted, ``update_pause_mode="abort"``), then ``pause_generation(mode=...,
   clear_cache=True)`` → ``collective_rpc("reload_weights", kwargs={"weights_path": path})`` (vLLM's built-in
   in-place disk reload, ``GPUModelRunner.reload_weights``; it does not need ``weight_transfer_config``, unlike the
@@ -51,6 +52,12 @@ from typing import Any, Literal
 
 import msgspec
 
+from rollout.engines.checkpoint import (
+    CheckpointError,
+    CheckpointReport,
+    CheckpointValidator,
+    expected_from_dir,
+)
 from rollout.engines.protocol import (
     MAX_LOGPROBS,
     EngineError,
@@ -133,26 +140,17 @@ _FINISH: dict[str, FinishReason] = {
 }
 
 
-def checkpoint_problem(path: str | Path) -> str | None:
-    """Why ``path`` is not a checkpoint vLLM can reload in place, or None: it must be a directory holding
-    safetensors files whose headers read (only the headers are read: milliseconds for any size). The reason
-    does not name ``path`` (callers do: ``tito serve`` says only what the client sent)."""
-    d = Path(path)
-    if not d.is_dir():
-        return "not a directory"
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        return "holds no *.safetensors files"
-    from safetensors import safe_open
+def model_weights_dir(model: str) -> Path | None:
+    """The local directory holding the weights vLLM loaded for ``model``: the directory itself, or a hub id's
+    snapshot in the Hugging Face cache (vLLM downloaded it there); None when neither is found."""
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
 
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                if not list(handle.keys()):
-                    return f"{f.name} holds no tensors"
-        except Exception as exc:  # noqa: BLE001 - any unreadable header is a bad checkpoint
-            return f"cannot read the safetensors header of {f.name} ({type(exc).__name__}: {exc})"
-    return None
+        return Path(snapshot_download(model, local_files_only=True, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception:  # noqa: BLE001 - not a cached hub id: no expected tensors to compare with
+        return None
 
 
 def cache_salt(version: int) -> str:
@@ -282,6 +280,7 @@ class VLLMEngine:
         self._idle = asyncio.Event()  # set: no request of ours is in flight
         self._idle.set()
         self._update_lock = asyncio.Lock()
+        self._validator: CheckpointValidator | None = None  # built at the first check (reads the model's headers)
 
     @classmethod
     async def create(cls, model: str, **kwargs: Any) -> VLLMEngine:
@@ -384,11 +383,14 @@ class VLLMEngine:
 
     async def update_weights(self, path: str, version: int) -> None:
         """Reload weights from checkpoint directory ``path``; later results carry ``version`` (see module doc).
-        The directory is checked first (:func:`checkpoint_problem`): vLLM's engine core dies on a checkpoint it
-        cannot read (measured: a missing path ends it with EngineDeadError), so a bad path must never reach it."""
-        problem = checkpoint_problem(path)
-        if problem:
-            raise EngineError(f"update_weights: {path!r}: {problem}; the weights were not changed", "weight_dir")
+        The checkpoint is validated first (:meth:`validate_weights`), before the gate closes: vLLM's engine core
+        dies on a checkpoint it cannot read (measured: a missing path ends it with EngineDeadError), so no checkpoint
+        with missing, unknown or misshapen tensors or non-finite values reaches it; a refused checkpoint raises
+        CheckpointError and changes nothing."""
+        try:
+            await self._checked(path)
+        except CheckpointError as exc:
+            raise exc.refused_by("update_weights") from None
         async with self._update_lock:
             self._open.clear()
             try:
@@ -407,6 +409,20 @@ class VLLMEngine:
                     await self._engine.resume_generation()
             finally:
                 self._open.set()
+
+    async def validate_weights(self, path: str) -> dict:
+        """Check that ``path`` is a checkpoint this engine can reload, without loading it: layout, every tensor's
+        name, shape and dtype against the model directory vLLM loaded (:func:`model_weights_dir`; for a hub id not
+        in the local cache, layout and values only), finite values. ``config.json`` is not required: vLLM's
+        reload reads only the tensors. Runs on a worker thread; returns the report, raises CheckpointError."""
+        return (await self._checked(path)).as_dict()
+
+    async def _checked(self, path: str) -> CheckpointReport:
+        if self._validator is None:
+            weights = await asyncio.to_thread(model_weights_dir, self._model)
+            expected = None if weights is None else await asyncio.to_thread(expected_from_dir, weights)
+            self._validator = CheckpointValidator(expected, require_config=False)
+        return await asyncio.to_thread(self._validator, str(path))
 
     # -- extras -----------------------------------------------------------------------------------------------
 

@@ -20,9 +20,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..engines.vllm_backend import checkpoint_problem as safetensors_checkpoint_problem
+from ..engines.checkpoint import CheckpointError
 from . import calls
-from .calls import json_response
+from .calls import json_response, root_cause
+from .fleet import EngineAsleep
 from .schemas import BadRequest, Conflict, decode
 from .state import ServerState
 
@@ -126,8 +127,9 @@ async def is_paused(state: ServerState, request: Request) -> Response:
 async def update_weights(state: ServerState, request: Request) -> Response:
     """Load a checkpoint directory on every engine. Without ``version`` (prime-rl) the version increments by
     one; with it (tito's and the older vLLM API) that version is served, and it must be above the current one
-    (409). The directory must be under ``server.weights_root`` (403, saying nothing of the path) and hold
-    safetensors files only (400)."""
+    (409). The directory must be under ``server.weights_root`` (403, saying nothing of the path), hold no pickle
+    weight files, and pass one engine's checkpoint validation (400 naming the problem and the tensor) before any
+    engine pauses: a refused checkpoint leaves every engine serving its weights and version."""
     body: UpdateWeightsBody = await _body(state, request, UpdateWeightsBody)
     if body.update_info is not None:
         return _not_here("update_weights with update_info (tensors streamed over an NCCL group, TRL's and "
@@ -138,15 +140,24 @@ async def update_weights(state: ServerState, request: Request) -> Response:
     weight_dir = _weight_dir(state, body.weight_dir)
     if isinstance(weight_dir, Response):
         return weight_dir
-    problem = await asyncio.to_thread(checkpoint_problem, weight_dir)
+    problem = await asyncio.to_thread(pickle_problem, weight_dir)
     if problem:
         raise BadRequest(f"weight_dir {body.weight_dir!r}: {problem}", "weight_dir")
+    if state.fleet.sleep_level:  # the update would be refused (503) after the check: say so before reading it
+        raise EngineAsleep("the engines are asleep: POST /wake_up before /update_weights (waking reloads the "
+                           "weights the engines had)")
+    try:  # once, on one engine, before any engine pauses: a refused checkpoint changes nothing
+        await state.fleet.validate_weights(str(weight_dir))
+    except CheckpointError as exc:
+        cause = root_cause(exc)
+        problem = cause.problem if isinstance(cause, CheckpointError) else str(cause)
+        raise BadRequest(f"weight_dir {body.weight_dir!r}: {problem}", "weight_dir") from None
     async with state.weights_lock:  # the version check and the update, with no other update in between
         current = state.fleet.weight_version
         if body.version is not None and body.version <= current:
             raise Conflict(f"version {body.version} is not above the version served now, {current}: versions "
                            "must increase (send none to take the next one)", "version")
-        version = await state.fleet.update_weights(str(weight_dir), body.version)
+        version = await state.fleet.update_weights(str(weight_dir), body.version, validate=False)
     return json_response({"status": "ok", "weight_version": version})
 
 
@@ -173,15 +184,15 @@ def _weight_dir(state: ServerState, weight_dir: str) -> Path | Response:
     return target
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` (under the weights root) is not a checkpoint to load, or None: no pickle weight files
-    (transformers falls back to those, and unpickling runs code), then the backend's own check (a directory
-    of safetensors files whose headers read)."""
+def pickle_problem(path: Path) -> str | None:
+    """Why ``path`` (under the weights root) must not be loaded before any engine looks at it, or None: it holds
+    pickle weight files (transformers falls back to those, and unpickling runs code). The checkpoint itself is
+    then checked by an engine (``Fleet.validate_weights``: layout, tensors against the model, finite values)."""
     if path.is_dir():
         pickles = sorted(f.name for f in path.glob(PICKLE_WEIGHTS))
         if pickles:
             return f"holds pickle weight files ({', '.join(pickles[:3])}): only safetensors checkpoints are loaded"
-    return safetensors_checkpoint_problem(path)
+    return None
 
 
 async def init_broadcaster(state: ServerState, request: Request) -> Response:

@@ -250,15 +250,27 @@ class Fleet:
             with contextlib.suppress(Exception):  # a dead engine holds nothing any more
                 await self.engines[index].drop_session(key)
 
-    async def update_weights(self, weight_dir: str, version: int | None = None) -> int:
-        """Pause (waiting for the running requests), load ``weight_dir`` on every live engine, resume
-        (unless it was paused before). Later results carry ``version``; None: the current version + 1 (how
-        prime-rl sends it). Returns the version now served."""
+    async def validate_weights(self, weight_dir: str) -> dict:
+        """Check ``weight_dir`` on one live engine without loading it (the fleet's engines serve one model, so
+        one check stands for all): the report, or CheckpointError naming the problem and the tensor."""
+        live = self._live()
+        if not live:
+            raise EngineUnavailable("no engine is alive")
+        return await live[0].validate_weights(weight_dir)
+
+    async def update_weights(self, weight_dir: str, version: int | None = None, *, validate: bool = True) -> int:
+        """Validate ``weight_dir`` once (:meth:`validate_weights`; ``validate=False``: the caller just did), so a
+        refused checkpoint raises CheckpointError before anything pauses and every engine keeps its weights and
+        version; then pause (waiting for the running requests), load it on every live engine, resume (unless it
+        was paused before). Later results carry ``version``; None: the current version + 1 (how prime-rl sends
+        it). Returns the version now served."""
         if self.sleep_level:
             raise EngineAsleep("the engines are asleep: POST /wake_up before /update_weights (waking reloads the "
                                "weights the engines had)")
         if version is None:
             version = self.weight_version + 1
+        if validate:
+            await self.validate_weights(weight_dir)
         async with self._update_lock:
             was_paused = self.paused
             await self.pause("wait")
