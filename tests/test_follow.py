@@ -14,7 +14,7 @@ import torch
 
 from rollout.config import FollowConfig, RunConfig
 from rollout.data import load_samples
-from rollout.engines.protocol import close_backend
+from rollout.engines.protocol import GenerateRequest, SamplingParams, close_backend
 from rollout.envs.base import Task
 from rollout.envs.registry import make_env
 from rollout.follow import layout
@@ -125,23 +125,24 @@ def test_recover_keeps_the_sealed_prefix_and_removes_the_rest(tmp_path):
     assert recover(tmp_path / "nothing-yet") == 0
 
 
-async def _turns_under_way(h: Harness) -> None:
-    """Until some tokens of running turns are sampled (the embedded engine counts them; any engine: a moment
-    after requests are in flight)."""
+async def _turns_under_way(h: Harness, settle_s: float) -> None:
+    """Until some tokens of running turns are sampled (the embedded engine counts them; any other engine:
+    ``settle_s`` after requests are in flight)."""
     stats = getattr(h.engine, "stats", None)
     while not h.driver._in_flight or (stats is not None and stats["decode_tokens"] < 8):
         await asyncio.sleep(0.01)
     if stats is None:
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(settle_s)
 
 
 def check_mid_turn_update(run_dir: Path, model_path: str, model, base: dict, *, make_engine=None,
-                          atol: float, inflight: str = "abort_resume") -> None:
+                          atol: float, inflight: str = "abort_resume", tokens: int = 24,
+                          settle_s: float = 0.5) -> None:
     """abort_resume on ``engine``: a turn stopped by the update keeps its tokens (old version) and goes on under
     the new weights; every sampled token's logprob equals a plain forward pass of ``model`` under the weights of
     the version recorded for it (within ``atol``), and differs from the other version's where a rollout spans."""
     v1 = _perturbed(base, 1.3)
-    cfg = _config(max_steps=2, max_off_policy_steps=1, inflight=inflight)
+    cfg = _config(tokens, max_steps=2, max_off_policy_steps=1, inflight=inflight)
     # the checkpoint is on disk before the run, without STABLE: it must not be loaded until STABLE appears
     staged = publish_weights(run_dir / "staging", 1, v1, config=_config_of(model))
     target = layout.broadcast_dir(run_dir, 1)
@@ -150,13 +151,16 @@ def check_mid_turn_update(run_dir: Path, model_path: str, model, base: dict, *, 
     (target / layout.STABLE).unlink()
 
     async def trainer(h: Harness) -> None:
-        await _turns_under_way(h)
+        await _turns_under_way(h, settle_s)
         assert h.engine.info().weight_version == 0  # no STABLE yet: never loaded
         (target / layout.STABLE).touch()
 
     async def main() -> tuple[Harness, int]:
         # the engine is built on the loop that runs it (vLLM's AsyncLLM binds to it)
         h = Harness(cfg, run_dir, model_path, _tasks(2), engine=make_engine() if make_engine else None)
+        # one request first, so the run's first turns do not include an engine's first-request warm-up
+        await h.engine.generate(GenerateRequest(request_id="warm-up", prompt_ids=[1, 2, 3],
+                                                sampling=SamplingParams(max_tokens=2)))
         try:
             sealed, _ = await asyncio.gather(h.follow.run(), trainer(h))
         finally:
