@@ -66,7 +66,7 @@ class RolloutOutcome(msgspec.Struct):
     withheld: str | None = None  # why its rows were not written (follow mode: too stale); its reward still counts
 
 
-def _is_actor_death(exc: BaseException) -> bool:
+def is_actor_death(exc: BaseException) -> bool:
     try:
         import ray.exceptions as rex
     except ImportError:  # pragma: no cover - ray is a dependency
@@ -200,7 +200,7 @@ class RolloutDriver:
                 await asyncio.shield(self.engines[index].abort(request.request_id))
             raise
         except Exception as exc:
-            if _is_actor_death(exc):
+            if is_actor_death(exc):
                 self.router.drop_engine(index)
                 raise EngineDied(str(exc)) from exc
             raise

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+DEAD = 1 << 30  # the load of a dropped engine: never the least loaded
+
 
 class StickyLeastLoaded:
     """Routes sessions over ``n`` engines by in-flight request count.
@@ -51,9 +53,13 @@ class StickyLeastLoaded:
     def forget(self, session: str) -> None:
         self.home.pop(session, None)
 
+    def alive(self) -> list[int]:
+        """The engines not dropped, in index order."""
+        return [i for i, load in enumerate(self.load) if load < DEAD]
+
     def drop_engine(self, index: int) -> None:
         """An engine died: its sessions move on their next turn; it gets no new requests."""
-        self.load[index] = 1 << 30
+        self.load[index] = DEAD
         for session, home in list(self.home.items()):
             if home == index:
                 del self.home[session]

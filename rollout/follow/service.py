@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 from ..config import RunConfig
 from ..envs.base import Task
 from ..handles import EngineHandle, RendererHandle
-from ..loop import RolloutDriver, RolloutOutcome
+from ..loop import RolloutDriver, RolloutOutcome, is_actor_death
 from ..outputs import rollout_totals
 from ..shards import (
     CHECKSUM,
@@ -140,31 +140,39 @@ class WeightFollower:
 
     async def load(self, n: int) -> bool:
         path = layout.broadcast_dir(self.run_dir, n)
-        stable = path / layout.STABLE
-        stable_mtime = stable.stat().st_mtime
+        stable_mtime = (path / layout.STABLE).stat().st_mtime
         seen = time.time()
+        live = self.holder.router.alive()  # an engine that died is out of routing: nothing to load into it
+        if not live:
+            return False
         t0 = time.perf_counter()
         try:  # before anything pauses: a bad checkpoint must not cost the running rollouts anything
-            await self.engines[0].validate_weights(str(path))
+            await self.engines[live[0]].validate_weights(str(path))
         except Exception as exc:  # noqa: BLE001 - any refusal: named, logged once, the run goes on
             self.refused[n] = stable_mtime
             self.log(f"weights {path} refused: {exc}; the engines stay on version {self.version}")
             return False
         t1 = time.perf_counter()
-        aborted = await self.holder.hold_for_update(self.inflight)  # type: ignore[arg-type]
-        t2 = time.perf_counter()
         try:
-            results = await asyncio.gather(*(e.update_weights(str(path), n) for e in self.engines),
+            aborted = await self.holder.hold_for_update(self.inflight)  # type: ignore[arg-type]
+            t2 = time.perf_counter()
+            results = await asyncio.gather(*(self.engines[i].update_weights(str(path), n) for i in live),
                                            return_exceptions=True)
         finally:
             self.holder.release()
         t3 = time.perf_counter()
-        failed = [r for r in results if isinstance(r, BaseException)]
+        failed = []
+        for i, r in zip(live, results):
+            if isinstance(r, BaseException):
+                if is_actor_death(r):  # its rollouts are re-run on the others, as in any run
+                    self.holder.router.drop_engine(i)
+                else:
+                    failed.append(r)
         if failed:
             # validated yet refused by an engine: those that loaded it stamp version n, the others keep theirs,
             # and each token records the version that sampled it, so the sealing check still holds
             self.refused[n] = stable_mtime
-            self.log(f"weights {path}: {len(failed)} of {len(self.engines)} engines failed to load it "
+            self.log(f"weights {path}: {len(failed)} of {len(live)} engines failed to load it "
                      f"({failed[0]}); the others hold version {n}")
             return False
         async with self.changed:
