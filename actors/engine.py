@@ -149,8 +149,12 @@ class EngineActorImpl:
         return await self._home((await self._ensure()).abort(request_id))
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    async def update_weights(self, path: str, version: int) -> None:
-        await self._home((await self._ensure()).update_weights(path, version))
+    async def update_weights(self, path: str, version: int, keep_running: bool = False) -> None:
+        backend = await self._ensure()
+        if keep_running:  # passed only when set: a backend written before the option need not take it
+            await self._home(backend.update_weights(path, version, keep_running=True))
+        else:
+            await self._home(backend.update_weights(path, version))
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def validate_weights(self, path: str) -> dict[str, Any]:

@@ -76,8 +76,8 @@ class RayEngine:
     async def abort(self, request_id: str) -> bool:
         return await self.actor.abort.remote(request_id)
 
-    async def update_weights(self, path: str, version: int) -> None:
-        await self.actor.update_weights.remote(path, version)
+    async def update_weights(self, path: str, version: int, *, keep_running: bool = False) -> None:
+        await self.actor.update_weights.remote(path, version, keep_running)
 
     async def validate_weights(self, path: str) -> dict[str, Any]:
         return await self.actor.validate_weights.remote(path)

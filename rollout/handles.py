@@ -59,7 +59,11 @@ class EngineHandle(Protocol):
 
     async def abort(self, request_id: str) -> bool: ...
 
-    async def update_weights(self, path: str, version: int) -> None: ...
+    async def update_weights(self, path: str, version: int, *, keep_running: bool = False) -> None:
+        """Load a checkpoint; ``keep_running``: without waiting for the running requests, which go on under the new
+        weights with each token's version reported (EngineBackend.update_weights; Unsupported where a backend
+        cannot)."""
+        ...
 
     async def validate_weights(self, path: str) -> dict[str, Any]:
         """Check a checkpoint without loading it (rollout/engines/checkpoint.py): the report (files, tensors,
@@ -142,8 +146,11 @@ class LocalEngine:
     async def abort(self, request_id: str) -> bool:
         return await self.backend.abort(request_id)
 
-    async def update_weights(self, path: str, version: int) -> None:
-        await self.backend.update_weights(path, version)
+    async def update_weights(self, path: str, version: int, *, keep_running: bool = False) -> None:
+        if keep_running:  # passed only when set: a backend written before the option need not take it
+            await self.backend.update_weights(path, version, keep_running=True)
+        else:
+            await self.backend.update_weights(path, version)
 
     async def validate_weights(self, path: str) -> dict[str, Any]:
         if callable(getattr(self.backend, "validate_weights", None)):

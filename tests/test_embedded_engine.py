@@ -378,6 +378,86 @@ def test_update_weights_waits_for_running_requests(env):
     assert gen(env, req("uw-next", max_tokens=1)).results[0].weight_version == v
 
 
+def _mixed_logprobs(model, old: dict, new: dict, ids: list[int], split: int) -> list[float]:
+    """log p(ids[t] | ids[:t]) for t >= split + 1 with the KV of ``ids[:split]`` computed under ``old`` and every
+    later position under ``new``: what a sequence kept running through a weight swap is sampled from."""
+    model.load_state_dict(old)
+    with torch.inference_mode():
+        first = model(torch.tensor([ids[:split]]), use_cache=True)
+    model.load_state_dict(new)
+    with torch.inference_mode():
+        rest = model(torch.tensor([ids[split:]]), cache=first.cache, use_cache=True)
+    logp = torch.log_softmax(rest.logits[0, :-1].float(), dim=-1)
+    return [float(logp[i, t]) for i, t in enumerate(ids[split + 1:])]
+
+
+def test_keep_running_update_goes_on_under_the_new_weights_on_the_old_kv(env, reference_model, tmp_path):
+    """update_weights(keep_running=True) while a greedy request decodes: the swap happens between two steps, the
+    request is not aborted and finishes its budget; its tokens before the swap are stamped v and are exactly v's
+    forward pass, those after are stamped v + 1 and are exactly the new weights attending to the KV the old ones
+    computed (no plain forward of either version gives them: that is what keep means in prime-rl and SkyRL). A
+    request admitted after the swap is v + 1's forward pass alone. The kept request's KV mixes versions: it is not
+    stored for its session's next turn, while the new request's is."""
+    from rollout.follow.publish import publish_weights
+    from rollout.models import converted_dir
+
+    runner, engine = env
+    base = {k: t.detach().clone() for k, t in reference_model.state_dict().items()}
+    new = dict(base)
+    # layer 0's input norm moves every layer's KV (the final norm alone moves only the logits, so old KV + new
+    # weights would equal the new forward pass); the final norm makes the two versions' logprobs far apart
+    for name in ("model.layers.0.input_layernorm.weight", "model.norm.weight"):
+        new[name] = base[name] * 1.3
+    config = reference_model.config.to_dict()
+    config.pop("quantization_config", None)
+    path = str(publish_weights(tmp_path, 1, new, config=config))
+    v = engine.info().weight_version
+    runner.run(engine.validate_weights(path))  # checked before: the update below only loads
+
+    async def go():
+        start = engine.stats["decode_tokens"]
+        running = asyncio.create_task(engine.generate(req("keep-a", session="keep-a", max_tokens=48, ignore_eos=True)))
+        while engine.stats["decode_tokens"] - start < 6:
+            await asyncio.sleep(0.005)
+        await engine.update_weights(path, v + 1, keep_running=True)
+        assert not running.done()  # swapped under it, not after it
+        fresh = await engine.generate(req("keep-b", session="keep-b", max_tokens=8, ignore_eos=True))
+        kept = await running
+        await engine.wait_idle()
+        return kept.results[0], fresh.results[0]
+
+    try:
+        kept, fresh = runner.run(go())
+        assert kept.finish_reason == "length" and len(kept.completion_ids) == 48
+        versions = kept.token_versions
+        k = versions.count(v)
+        assert versions == [v] * k + [v + 1] * (48 - k) and 6 <= k < 48, versions
+        assert kept.weight_version == v  # the lowest
+        assert fresh.token_versions is None and fresh.weight_version == v + 1
+        before = reference_logprobs(reference_model, PROMPT, kept.completion_ids)
+        assert max(abs(a - b) for a, b in zip(kept.logprobs[:k], before[:k])) <= 1e-4
+        ids = PROMPT + kept.completion_ids
+        # token k is sampled from the logits at the position of token k - 1, the first fed under the new weights
+        mixed = _mixed_logprobs(reference_model, base, new, ids, len(PROMPT) + k - 1)
+        assert max(abs(a - b) for a, b in zip(kept.logprobs[k:], mixed)) <= 1e-4
+        # reference_model holds the new weights now
+        plain_new = reference_logprobs(reference_model, PROMPT, kept.completion_ids)[k:]
+        assert max(abs(a - b) for a, b in zip(kept.logprobs[k:], plain_new)) > 1e-3  # old KV: not v + 1's forward
+        assert max(abs(a - b) for a, b in zip(kept.logprobs[k:], before[k:])) > 1e-2  # nor v's
+        want = reference_logprobs(reference_model, PROMPT, fresh.completion_ids)
+        assert max(abs(a - b) for a, b in zip(fresh.logprobs, want)) <= 1e-4
+        # sessions: the kept request's mixed KV was not stored; the fresh one's was
+        assert "keep-a" not in engine.sessions and "keep-b" in engine.sessions
+        follow_up = lambda r: PROMPT + r.completion_ids + [IM_END] + USER_TURN[1:]  # noqa: E731
+        assert gen(env, req("keep-a2", follow_up(kept), session="keep-a", max_tokens=2)).results[0] \
+            .cached_prompt_tokens == 0
+        assert gen(env, req("keep-b2", follow_up(fresh), session="keep-b", max_tokens=2)).results[0] \
+            .cached_prompt_tokens == len(PROMPT) + 8
+    finally:
+        reference_model.load_state_dict(base)
+        runner.run(engine.update_weights(str(converted_dir(smollm2_gguf())), v + 2))  # the base weights again
+
+
 def test_cli_pull_reports_an_available_model(capsys):
     from rollout.cli import main
     from rollout.models import ModelNotFound, resolve_model

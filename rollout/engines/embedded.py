@@ -22,6 +22,13 @@ On request (vLLM's options, tests/test_serve_logprobs.py): ``min_tokens`` masks 
 that many tokens are sampled; ``top_logprobs`` adds the most likely tokens of the distribution each token
 was sampled from; ``prompt_logprobs`` scores the prompt from the prefill's logits (such a prompt is
 prefilled whole, not from its session's KV: cached positions have no logits).
+
+Weight updates (:meth:`EmbeddedEngine.update_weights`) swap the model between two steps. By default the running
+requests finish first, so each result comes from one version. With ``keep_running=True`` the swap happens at the
+next step boundary and the running sequences go on under the new weights on the KV the old ones computed (prime-rl's
+and SkyRL's vLLM pause mode "keep"): each sequence records the version of every token it samples, and a result
+whose tokens span versions carries ``token_versions``. Such a sequence's KV mixes versions, so it is never stored
+for its session's next turn.
 """
 
 from __future__ import annotations
@@ -70,7 +77,10 @@ class _Seq:
     fed: int = 0  # tokens whose KV is in the row (tokens[fed] is the next input)
     logprobs: list[float] = field(default_factory=list)
     tops: list[TokenLogprobs] = field(default_factory=list)  # sampling.top_logprobs > 0: one per token
+    versions: list[int] = field(default_factory=list)  # the weight version that sampled each completion token
     finalizing: bool = False  # finished; kept one step to write its last token's KV for the session
+    # in the batch at a keep_running weight swap: its KV mixes versions, so it never goes to the session store
+    kept_across_update: bool = False
     streamed: int = 0  # completion tokens already told to the request's listener (generate_stream)
 
 
@@ -135,7 +145,7 @@ class EmbeddedEngine:
         self._running: list[_Seq] = []  # row i of the batch KV is _running[i]
         self._by_id: dict[str, _Req] = {}
         self._aborts: set[str] = set()
-        self._updates: list[tuple[str, int, asyncio.Future]] = []
+        self._updates: list[tuple[str, int, bool, asyncio.Future]] = []  # (path, version, keep_running, done)
         self._wake: asyncio.Event | None = None
         self._scheduler: asyncio.Task | None = None
         self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0}
@@ -186,15 +196,25 @@ class EmbeddedEngine:
             self._wake.set()
         return True
 
-    async def update_weights(self, path: str, version: int) -> None:
-        """Load weights from an HF safetensors directory and stamp later results with ``version``.
+    async def update_weights(self, path: str, version: int, *, keep_running: bool = False) -> None:
+        """Load weights from an HF safetensors directory and stamp later tokens with ``version``.
 
         The checkpoint is validated first (:meth:`validate_weights`), on a worker thread while the engine keeps
         serving: a refused one raises :class:`~rollout.engines.checkpoint.CheckpointError` naming the problem
-        and the tensor, and nothing waits, drains or changes. Then the swap happens between steps once the
-        running requests have finished (new requests wait), so every result comes from exactly one weight
-        version. Session KV computed with the old weights is dropped. A load that still fails raises
-        EngineError; the old weights and version stay.
+        and the tensor, and nothing waits, drains or changes. Then the model is swapped between two steps:
+
+        * ``keep_running=False`` (default): once the running requests have finished (new requests wait), so
+          every result comes from exactly one weight version.
+        * ``keep_running=True``: at the next step boundary, without waiting. The running sequences go on under
+          the new weights on their existing KV, computed under the old weights: what "keep" means in prime-rl and
+          SkyRL (vLLM's ``pause_generation(mode="keep")``). Each token is stamped with the version that sampled
+          it; a result spanning versions carries ``token_versions`` (its ``weight_version`` is the lowest). The
+          tokens after the swap are sampled from new weights attending to old-weight KV, so no single version's
+          forward pass reproduces their logprobs. Requests admitted after the swap run wholly on the new weights.
+          A sequence that was in the batch at the swap never stores its (mixed) KV for its session's next turn.
+
+        Session KV computed with the old weights is dropped. A load that still fails raises EngineError; the old
+        weights and version stay, and the running requests go on under them.
         """
         try:
             await asyncio.to_thread(self._validate, str(path))
@@ -202,7 +222,7 @@ class EmbeddedEngine:
             raise exc.refused_by("update_weights") from None
         self._ensure_scheduler()
         fut = asyncio.get_running_loop().create_future()
-        self._updates.append((str(path), version, fut))
+        self._updates.append((str(path), version, keep_running, fut))
         self._wake.set()
         await fut
 
@@ -307,10 +327,10 @@ class EmbeddedEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if self._updates and not self._running:
-                path, version, fut = self._updates.pop(0)
+            if self._updates and (self._updates[0][2] or not self._running):  # keep_running: no drain
+                path, version, _, fut = self._updates.pop(0)
                 try:
-                    await loop.run_in_executor(self._executor, self._load_weights, path)
+                    await loop.run_in_executor(self._executor, self._swap_weights, path)
                     self.weight_version = version
                     if not fut.done():
                         fut.set_result(None)
@@ -390,6 +410,17 @@ class EmbeddedEngine:
         self.model = new
         self._weights_path = path  # what wake_up reloads after a sleep
         self.sessions.clear()
+
+    def _swap_weights(self, path: str) -> None:
+        """Load ``path`` between two steps. Sequences still in the batch (a keep_running update) go on under the
+        new weights: their KV now mixes versions, so none of it may reach the session store. A finalizing one (its
+        result is out) would only write its last token's KV, under the new weights: it leaves the batch now."""
+        self._load_weights(path)
+        for seq in self._running:
+            seq.kept_across_update = True
+        self._drop_rows(lambda s: s.finalizing)
+        if not self._running:
+            self.kv.release()
 
     @torch.inference_mode()
     def _step(self, admit: list[_Req], aborts: set[str]) -> list[_Req]:
@@ -505,6 +536,7 @@ class EmbeddedEngine:
             sp = seq.req.request.sampling
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
+            seq.versions.append(self.weight_version)
             if top is not None:
                 seq.tops.append(top)
             if not sp.ignore_eos and tok in sp.stop_token_ids:
@@ -515,21 +547,24 @@ class EmbeddedEngine:
     def _finish(self, seq: _Seq, reason: str, stop_id: int | None) -> None:
         req = seq.req
         req.results[seq.index] = self._result(req, seq.tokens[req.prompt_len :], seq.logprobs, reason, stop_id,
-                                              tops=seq.tops)
+                                              tops=seq.tops, versions=seq.versions)
         seq.finalizing = True
 
     def _retire(self) -> None:
         """Rows leave the batch: a finalizing sequence whose last token is now in the KV goes to the
-        session store (single-completion requests with a session id), the rest are dropped."""
+        session store (single-completion requests with a session id, whose KV is of one weight version), the rest
+        are dropped."""
         for row, seq in enumerate(self._running):
             r = seq.req.request
-            if seq.finalizing and seq.fed == len(seq.tokens) and r.session_id and r.sampling.n == 1:
+            if (seq.finalizing and seq.fed == len(seq.tokens) and r.session_id and r.sampling.n == 1
+                    and not seq.kept_across_update):
                 self.sessions.put(r.session_id, SessionKV(list(seq.tokens), self.kv.read_row(row, seq.fed)))
         self._drop_rows(lambda s: s.finalizing and (s.fed == len(s.tokens) or not self._keeps_session(s)))
 
     def _keeps_session(self, seq: _Seq) -> bool:
         r = seq.req.request
-        return r.session_id is not None and r.sampling.n == 1 and seq.req.results[seq.index].finish_reason != "error"
+        return (r.session_id is not None and r.sampling.n == 1 and not seq.kept_across_update
+                and seq.req.results[seq.index].finish_reason != "error")
 
     def _drop_rows(self, pred) -> None:
         """Remove matching rows, moving the last row into each hole so live rows stay ``[0, n)``."""
@@ -553,8 +588,10 @@ class EmbeddedEngine:
         return g
 
     def _result(self, req: _Req, completion: list[int], logprobs: list[float], reason: str,
-                stop_id: int | None, error: str | None = None, tops: list[TokenLogprobs] = ()) -> GenerateResult:
+                stop_id: int | None, error: str | None = None, tops: list[TokenLogprobs] = (),
+                versions: list[int] = ()) -> GenerateResult:
         now = time.perf_counter()
+        versions = list(versions)  # one per completion token; several only across a keep_running update
         admitted = req.admitted or now
         return GenerateResult(
             completion_ids=list(completion),
@@ -562,9 +599,10 @@ class EmbeddedEngine:
             finish_reason=reason,
             stop_token_id=stop_id,
             cached_prompt_tokens=req.cached,
-            weight_version=self.weight_version,
+            weight_version=min(versions) if versions else self.weight_version,
             timings=Timings(queue_s=admitted - req.arrival, prefill_s=req.prefill_s,
                             decode_s=max(0.0, now - req.prefill_end) if req.prefill_end else 0.0),
             error=error,
             top_logprobs=list(tops) if req.request.sampling.top_logprobs else None,
+            token_versions=versions if len(set(versions)) > 1 else None,
         )

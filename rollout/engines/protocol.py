@@ -11,6 +11,12 @@ position (from the same distribution as the sampled token's logprob) with the sa
 logits, as vLLM scores prompts). ``min_tokens`` keeps stop ids and EOS from being sampled before that many
 tokens (they are masked out of the distribution, so the reported logprobs are of the masked one).
 
+Weight versions: a result's ``weight_version`` is the version of the weights that sampled its tokens. A weight
+update that keeps running requests running (``update_weights(..., keep_running=True)``, the embedded engine's:
+prime-rl's and SkyRL's pause mode "keep") lets one completion span two versions; such a result also carries
+``token_versions``, the version that sampled each completion token (one per completion id, non-decreasing), and
+its ``weight_version`` is the lowest of them. ``token_versions`` is None whenever one version sampled every token.
+
 Every backend (embedded torch, vLLM, replay) implements :class:`EngineBackend` and passes the
 conformance suite in tests/engine_conformance.py.
 """
@@ -97,6 +103,9 @@ class GenerateResult(msgspec.Struct):
     error: str | None = None  # set when finish_reason == "error"
     # sampling.top_logprobs > 0: one entry per completion id, from the distribution ``logprobs`` is of
     top_logprobs: list[TokenLogprobs] | None = None
+    # the version that sampled each completion id, set only when they differ (a keep_running weight update landed
+    # mid-request); None: every token is ``weight_version``'s, which is always the lowest
+    token_versions: list[int] | None = None
 
 
 class GenerateOutput(msgspec.Struct):
@@ -128,8 +137,12 @@ class EngineBackend(Protocol):
         """Stop a running request; its result comes back with finish_reason "abort". False if unknown."""
         ...
 
-    async def update_weights(self, path: str, version: int) -> None:
-        """Load weights from a checkpoint directory; later results carry ``version``."""
+    async def update_weights(self, path: str, version: int, *, keep_running: bool = False) -> None:
+        """Load weights from a checkpoint directory; later results carry ``version``. By default the running
+        requests finish first (every result from one version). ``keep_running=True``: they go on under the new
+        weights on the KV the old ones computed, each token stamped (``token_versions``); a backend that cannot
+        attribute tokens to versions raises :class:`Unsupported`. A backend written before this option may omit
+        the keyword: callers pass it only when it is True."""
         ...
 
     def info(self) -> EngineInfo: ...

@@ -26,9 +26,9 @@ Contract:
   that setting, so it is refused with :class:`EngineError`. There is no model to score alternatives or prompts:
   :meth:`ReplayEngine.info` reports ``max_logprobs=0`` and ``scores_prompts=False``, so ``top_logprobs`` and
   ``prompt_logprobs`` are refused by ``validate_request`` with a message naming them.
-* Results carry the engine's current ``weight_version`` (set by :meth:`update_weights`, which accepts any path and
-  reads nothing) and ``cached_prompt_tokens=0``. :meth:`ReplayEngine.validate_weights` checks what needs no model
-  (layout, headers, finite values).
+* Results carry the engine's ``weight_version`` when the request arrived (set by :meth:`update_weights`, which
+  accepts any path, reads nothing, and accepts ``keep_running``) and ``cached_prompt_tokens=0``.
+  :meth:`ReplayEngine.validate_weights` checks what needs no model (layout, headers, finite values).
 """
 
 from __future__ import annotations
@@ -198,8 +198,10 @@ class ReplayEngine:
             scores_prompts=False,
         )
 
-    async def update_weights(self, path: str, version: int) -> None:
-        """Accepts any path (nothing is read); later results carry ``version``."""
+    async def update_weights(self, path: str, version: int, *, keep_running: bool = False) -> None:
+        """Accepts any path (nothing is read); requests submitted from now on carry ``version``. There are no
+        weights, so nothing waits either way: ``keep_running`` is accepted, and a running request keeps the
+        version it started under for all its tokens."""
         self._version = int(version)
 
     async def validate_weights(self, path: str) -> dict:

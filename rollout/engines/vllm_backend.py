@@ -25,7 +25,8 @@ What it sends to vLLM (see docs/engines.md and the vLLM 0.33 notes):
   (tito's worker extension, rollout/engines/vllm_worker.py: vLLM's reload leaves a tied output layer on the
   old weights) → ``reset_prefix_cache(
   reset_running_requests=True)`` → version bump → ``resume_generation()``. Every completion is therefore sampled
-  under exactly one weight version, the one it is stamped with.
+  under exactly one weight version, the one it is stamped with. ``keep_running=True`` (requests running through
+  the swap) raises Unsupported: no per-token version is read back from vLLM here.
 * Greedy with ``n > 1``: vLLM refuses it ("n must be 1 when using greedy sampling"); the protocol promises n
   identical completions, so the backend samples once and returns n copies (greedy decoding is deterministic;
   copying is also exact where batched kernels are not).
@@ -68,8 +69,15 @@ from rollout.engines.protocol import (
     GenerateResult,
     Timings,
     TokenLogprobs,
+    Unsupported,
     validate_request,
 )
+
+# update_weights(keep_running=True): vLLM's pause mode "keep" exists, but nothing here attributes tokens to versions
+KEEP_RUNNING_UNSUPPORTED = (
+    "the vllm engine backend cannot keep requests running across a weight update: vLLM's pause mode keep exists, but "
+    "this backend does not report which tokens of a request came after the swap (it reads no per-token weight "
+    "version from vLLM), so they would carry the old version; use follow.inflight abort_resume or drain")
 
 
 def vllm_platform() -> Literal["cuda", "cpu"] | None:
@@ -381,12 +389,14 @@ class VLLMEngine:
         await self._engine.abort(request_id)
         return True
 
-    async def update_weights(self, path: str, version: int) -> None:
+    async def update_weights(self, path: str, version: int, *, keep_running: bool = False) -> None:
         """Reload weights from checkpoint directory ``path``; later results carry ``version`` (see module doc).
         The checkpoint is validated first (:meth:`validate_weights`), before the gate closes: vLLM's engine core
         dies on a checkpoint it cannot read (measured: a missing path ends it with EngineDeadError), so no checkpoint
         with missing, unknown or misshapen tensors or non-finite values reaches it; a refused checkpoint raises
-        CheckpointError and changes nothing."""
+        CheckpointError and changes nothing. ``keep_running=True`` raises Unsupported (see KEEP_RUNNING_UNSUPPORTED)."""
+        if keep_running:
+            raise Unsupported(KEEP_RUNNING_UNSUPPORTED)
         try:
             await self._checked(path)
         except CheckpointError as exc:
