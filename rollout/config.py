@@ -130,19 +130,10 @@ class FollowConfig(_Strict):
         "lead: with no new weights the service seals at most S + 1 batches ahead of the trainer, then waits"))
     inflight: Literal["abort_resume", "drain", "keep"] = Field("abort_resume", description=(
         "rollouts running when new weights arrive: abort_resume (stop them, keep their sampled tokens stamped with "
-        "the old version, continue under the new weights), drain (finish them on the old weights first), keep "
-        "(continue in place under the new weights: not available yet, see docs/follow.md)"))
+        "the old version, continue under the new weights: exact), drain (finish them on the old weights first), "
+        "keep (continue in place under the new weights on the KV the old ones computed, each token stamped with "
+        "the version that sampled it; embedded and replay engines only, see docs/follow.md)"))
     poll_interval_s: float = Field(0.5, gt=0, le=60, description="how often broadcasts/ is scanned for new weights")
-
-    @field_validator("inflight")
-    @classmethod
-    def _keep_needs_token_versions(cls, value: str) -> str:
-        # keep means a turn's tokens change version mid-turn inside the engine; no backend here reports that
-        # per token yet, and stamping a whole turn with one version would break the off-policy rule's promise
-        if value == "keep":
-            raise ValueError("keep is not available yet: no engine backend here reports a version per token inside "
-                             "a turn; use abort_resume (the default: exact, nothing sampled is lost) or drain")
-        return value
 
 
 class RayConfig(_Strict):

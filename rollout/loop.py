@@ -237,7 +237,9 @@ class RolloutDriver:
     async def _sample_turn(self, request: GenerateRequest, session: str) -> tuple[GenerateResult, list[int] | None]:
         """One turn's completion. A turn that a weight update aborted goes on from where it stopped (prompt +
         partial completion, the rest of its token budget) once the gate opens; the pieces are joined, and the
-        per-token versions returned when they differ (None: one version sampled the whole turn)."""
+        per-token versions returned when they differ (None: one version sampled the whole turn). A piece that an
+        engine kept running through an update (``keep``) reports its own per-token versions (``token_versions``);
+        the turn's ``weight_version`` is always the lowest."""
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -256,17 +258,20 @@ class RolloutDriver:
             self._update_aborts.discard(req.request_id)
             ids.extend(result.completion_ids)
             logprobs.extend(result.logprobs or [0.0] * len(result.completion_ids))
-            versions.extend([result.weight_version] * len(result.completion_ids))
+            versions.extend(result.token_versions or [result.weight_version] * len(result.completion_ids))
             if resumed and len(ids) < request.sampling.max_tokens:
                 piece += 1
                 self.resumed_turns += piece == 1
                 continue
-            if piece == 0:
-                return result, None
+            spans = versions if len(set(versions)) > 1 else None
+            if piece == 0:  # one request; kept running through an update, the engine stamped each token
+                return (result if spans is None else
+                        msgspec.structs.replace(result, weight_version=min(spans), token_versions=spans)), spans
             finish = "length" if resumed else result.finish_reason  # the budget ran out exactly at the abort
             joined = msgspec.structs.replace(result, completion_ids=ids, logprobs=logprobs, finish_reason=finish,
-                                             weight_version=min(versions) if versions else result.weight_version)
-            return joined, (versions if len(set(versions)) > 1 else None)
+                                             weight_version=min(versions) if versions else result.weight_version,
+                                             token_versions=spans)
+            return joined, spans
 
     def _seed(self, rollout_id: str, turn: int) -> int | None:
         base = self.cfg.sampling.seed

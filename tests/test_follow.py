@@ -85,10 +85,13 @@ class Harness:
                                     renderer_info=self.service.info(), log=self.lines.append)
 
 
-def _perturbed(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """The base weights with the final norm scaled: every logprob moves, every tensor is still present."""
+def _perturbed(state: dict[str, torch.Tensor], scale: float, *, kv: bool = False) -> dict[str, torch.Tensor]:
+    """The base weights with the final norm scaled: every logprob moves, every tensor is still present. The final
+    norm acts after the last layer, so the KV stays the same; ``kv``: layer 0's input norm is scaled too, which
+    moves every layer's KV (what tells old KV + new weights apart from the new weights alone)."""
     out = dict(state)
-    out["model.norm.weight"] = state["model.norm.weight"] * scale
+    for name in ("model.norm.weight", *(("model.layers.0.input_layernorm.weight",) if kv else ())):
+        out[name] = state[name] * scale
     return out
 
 
@@ -97,6 +100,21 @@ def _forward_logprobs(model, state: dict[str, torch.Tensor], ids: list[int]) -> 
     model.load_state_dict(state, strict=False)
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0].double()
+    lp = torch.log_softmax(logits[:-1], dim=-1)
+    return torch.cat([torch.zeros(1, dtype=torch.float64), lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]])
+
+
+def _kept_logprobs(model, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], ids: list[int],
+                   split: int) -> torch.Tensor:
+    """As :func:`_forward_logprobs`, for a sequence kept running through a weight swap: the KV of ``ids[:split]``
+    computed under ``old``, every later position under ``new`` attending to it."""
+    model.load_state_dict(old, strict=False)
+    with torch.inference_mode():
+        first = model(torch.tensor([ids[:split]]), use_cache=True)
+    model.load_state_dict(new, strict=False)
+    with torch.inference_mode():
+        rest = model(torch.tensor([ids[split:]]), cache=first.cache, use_cache=True)
+    logits = torch.cat([first.logits[0], rest.logits[0]]).double()
     lp = torch.log_softmax(logits[:-1], dim=-1)
     return torch.cat([torch.zeros(1, dtype=torch.float64), lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]])
 
@@ -140,8 +158,14 @@ def check_mid_turn_update(run_dir: Path, model_path: str, model, base: dict, *, 
                           settle_s: float = 0.5) -> None:
     """abort_resume on ``engine``: a turn stopped by the update keeps its tokens (old version) and goes on under
     the new weights; every sampled token's logprob equals a plain forward pass of ``model`` under the weights of
-    the version recorded for it (within ``atol``), and differs from the other version's where a rollout spans."""
-    v1 = _perturbed(base, 1.3)
+    the version recorded for it (within ``atol``), and differs from the other version's where a rollout spans.
+
+    ``inflight="keep"``: no turn is stopped; a turn running at the swap goes on under the new weights on the KV the
+    old ones computed, each token stamped by the engine (versions non-decreasing within the turn). Its tokens before
+    the swap equal the old version's forward pass; those after equal the new weights over that old KV, which no
+    single version's forward pass reproduces (v1 then moves the KV too, and that is checked)."""
+    keep = inflight == "keep"
+    v1 = _perturbed(base, 1.3, kv=keep)
     cfg = _config(tokens, max_steps=2, max_off_policy_steps=1, inflight=inflight)
     # the checkpoint is on disk before the run, without STABLE: it must not be loaded until STABLE appears
     staged = publish_weights(run_dir / "staging", 1, v1, config=_config_of(model))
@@ -175,11 +199,14 @@ def check_mid_turn_update(run_dir: Path, model_path: str, model, base: dict, *, 
     spanning = {s.rollout_id for s in rows if len({int(v) for v in s.weight_versions if v >= 0}) == 2}
     if inflight == "abort_resume":
         assert h.driver.resumed_turns >= 1 and spanning, h.lines
+    elif keep:  # the running turns went on in place: nothing stopped, nothing resumed
+        assert h.driver.resumed_turns == 0 and spanning, h.lines
     else:  # drain: the running turns finished on the old weights, then new turns started on the new ones
         assert h.driver.resumed_turns == 0 and not spanning
         assert {int(s.meta["weight_version"]) for s in rows} == {0, 1}
     states = {0: base, 1: v1}
     worst = other_gap = 0.0
+    kept_gap = float("inf")  # keep: how far the kept tokens after the swap are from v1's plain forward pass
     for s in rows:
         ids = [int(t) for t in s.token_ids]
         versions = [int(v) for v in s.weight_versions]
@@ -188,21 +215,31 @@ def check_mid_turn_update(run_dir: Path, model_path: str, model, base: dict, *, 
         assert s.meta["weight_version_max"] == max(versions)
         # every row under both versions: its own must match, and (where it spans) the other must not
         by_version = {v: _forward_logprobs(model, states[v], ids) for v in (0, 1)}
+        want = {v: by_version[v] for v in (0, 1)}
+        if keep and s.rollout_id in spanning:
+            sampled = [v for v in versions if v >= 0]
+            assert sampled == sorted(sampled), versions  # one turn: the old version, then the new one
+            # the first new token was sampled at the position of the one before it: fed under the new weights
+            want[1] = _kept_logprobs(model, base, v1, ids, versions.index(1) - 1)
+            kept_gap = min(kept_gap, max(abs(float(s.logprobs[t]) - float(by_version[1][t]))
+                                         for t, v in enumerate(versions) if v == 1))
         for t, v in enumerate(versions):
             if v < 0:
                 continue
-            worst = max(worst, abs(float(s.logprobs[t]) - float(by_version[v][t])))
+            worst = max(worst, abs(float(s.logprobs[t]) - float(want[v][t])))
             if s.rollout_id in spanning:
                 other_gap = max(other_gap, abs(float(s.logprobs[t]) - float(by_version[1 - v][t])))
     model.load_state_dict(base)
     assert worst <= atol, worst
     if spanning:
         assert other_gap > 1e-2  # the check tells the versions apart: a wrong stamp would fail it
+    if keep:  # old KV + new weights: not v1's forward pass either (v0's is excluded by other_gap)
+        assert kept_gap > 1e-3, kept_gap
     metrics = [json.loads(line) for line in (run_dir / layout.METRICS).read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     updates = [u for m in metrics for u in m["weight_updates"]]
     assert [u["version"] for u in updates] == [1]
-    assert (updates[0]["aborted_requests"] >= 1) == (inflight == "abort_resume")
+    assert (updates[0]["aborted_requests"] >= 1) == (inflight == "abort_resume")  # keep and drain: 0
     manifest = read_manifest(layout.step_dir(run_dir, 2))
     assert manifest["follow"]["step"] == 2 and manifest["follow"]["min_version"] == 0
 
@@ -260,3 +297,29 @@ def test_without_new_weights_it_seals_s_plus_one_batches_then_waits_idle(tmp_pat
     third = read_manifest(layout.step_dir(tmp_path, 3))
     assert third["follow"]["admitted_at_version"] == 2
     assert set(third["follow"]["tokens_per_version"]) == {"2"}
+
+
+def test_keep_goes_on_in_place_and_stamps_each_token(tmp_path, model_path, base_state):
+    """follow.inflight keep on the embedded engine: rollouts span both versions with none aborted or resumed, the
+    versions within a turn never go back, the tokens before the swap are v0's forward pass exactly, and those after
+    are the new weights over the KV v0 computed: exactly that (within 1e-4), which is neither version's own forward
+    pass (checked against v1's; abort_resume is the exact mode)."""
+    model, base = base_state
+    check_mid_turn_update(tmp_path, model_path, model, base, atol=1e-4, inflight="keep")
+
+
+def test_keep_is_refused_before_any_work_where_the_engine_cannot_keep(tmp_path, model_path):
+    """An engine backend that does not stamp each token's version (vLLM) cannot keep turns running through an
+    update: the run stops at once with one line naming the backend and the two modes that work, before any batch
+    directory, metrics line or request. The driver is told its engines are vLLM (a replay engine stands in)."""
+    import msgspec
+
+    from rollout.engines.replay import ReplayEngine
+
+    engine = ReplayEngine(synthetic=True, vocab_size=49152)
+    h = Harness(_config(8, max_steps=1, inflight="keep"), tmp_path, model_path, _tasks(2), engine=engine)
+    h.driver.info = msgspec.structs.replace(h.driver.info, backend="vllm")
+    with pytest.raises(ValueError, match="the vllm engine backend cannot keep .* abort_resume or drain"):
+        asyncio.run(h.follow.run())
+    h.service.close()
+    assert not (tmp_path / layout.METRICS).exists() and not layout.step_dirs(tmp_path)

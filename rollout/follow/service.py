@@ -53,6 +53,9 @@ from ..shards import (
 from . import layout
 from .metrics import MetricsSink
 
+# the engine backends whose update_weights(keep_running=True) stamps each token's version (follow.inflight keep)
+KEEPS_RUNNING = frozenset({"embedded", "replay"})
+
 
 def min_version(k: int, max_off_policy_steps: int) -> int:
     """The oldest version that may sample a token of batch k (the one off-policy rule)."""
@@ -156,7 +159,9 @@ class WeightFollower:
         try:
             aborted = await self.holder.hold_for_update(self.inflight)  # type: ignore[arg-type]
             t2 = time.perf_counter()
-            results = await asyncio.gather(*(self.engines[i].update_weights(str(path), n) for i in live),
+            # keep: the turns in flight go on under the new weights, each token stamped by the engine
+            keep = {"keep_running": True} if self.inflight == "keep" else {}
+            results = await asyncio.gather(*(self.engines[i].update_weights(str(path), n, **keep) for i in live),
                                            return_exceptions=True)
         finally:
             self.holder.release()
@@ -184,8 +189,10 @@ class WeightFollower:
                   "stable_to_resumed_s": round(time.time() - stable_mtime, 3),
                   "detect_s": round(max(0.0, seen - stable_mtime), 3)}
         self.updates.append(record)
+        held = ("the turns in flight kept running under them" if self.inflight == "keep"
+                else f"{aborted} turns stopped to go on under them")
         self.log(f"weights v{n} loaded in {record['load_s']:.2f} s (validated in {record['validate_s']:.2f} s; "
-                 f"{aborted} turns stopped to go on under them); STABLE -> generating {record['stable_to_resumed_s']:.2f} s")
+                 f"{held}); STABLE -> generating {record['stable_to_resumed_s']:.2f} s")
         return True
 
 
@@ -222,6 +229,7 @@ class FollowService:
 
     async def run(self) -> int:
         """Seal batches until ``follow.max_steps`` (or until cancelled: a signal). Returns the last sealed step."""
+        self._check_inflight()
         if self.done():
             self.log(f"{self.run_dir}: batches 1..{self.sealed} are already sealed (follow.max_steps "
                      f"{self.last_step}): nothing to do")
@@ -247,6 +255,15 @@ class FollowService:
             await asyncio.gather(watcher, admitter, *self._batches, return_exceptions=True)
             self.metrics.close()
         return self.sealed
+
+    def _check_inflight(self) -> None:
+        """``follow.inflight: keep`` needs engines that stamp each token with the version that sampled it
+        (``update_weights(keep_running=True)``): refused before any work on the others (vLLM)."""
+        backend = self.driver.info.backend
+        if self.follow.inflight == "keep" and backend not in KEEPS_RUNNING:
+            raise ValueError(f"follow.inflight keep: the {backend} engine backend cannot keep turns running across a "
+                             "weight update (it does not report which tokens came after the swap); use "
+                             "follow.inflight abort_resume or drain")
 
     async def _admit_all(self) -> None:
         k = self.first_step
