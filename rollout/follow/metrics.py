@@ -160,15 +160,23 @@ class MetricsSink:
             import wandb
 
             run_id = _run_id(self.run_dir)
-            self.wandb_run = wandb.init(
-                project=os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
-                name=self.run_dir.resolve().name,
-                id=run_id,
-                resume="allow",
-                dir=str(self.run_dir),
-                config=self.config,
-                settings=wandb.Settings(console="off", silent=True),
-            )
+            # wandb.init suggests Weave on stderr past `silent` when an LLM client (openai, ...) is
+            # imported; the service has no LLM calls to trace, so that hint is noise on its stderr.
+            user_set = "WANDB_DISABLE_WEAVE" in os.environ
+            os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
+            try:
+                self.wandb_run = wandb.init(
+                    project=os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
+                    name=self.run_dir.resolve().name,
+                    id=run_id,
+                    resume="allow",
+                    dir=str(self.run_dir),
+                    config=self.config,
+                    settings=wandb.Settings(console="off", silent=True),
+                )
+            finally:
+                if not user_set:
+                    os.environ.pop("WANDB_DISABLE_WEAVE", None)
         except Exception as exc:  # noqa: BLE001 - any wandb failure: named once, the rollouts go on
             self.wandb_run = None
             self._log(f"W&B run not started ({why}): {type(exc).__name__}: {exc}; metrics go to {self.path} only")
