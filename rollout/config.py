@@ -53,10 +53,16 @@ class _Strict(BaseModel):
         return value
 
 
+Backend = Literal["embedded", "vllm", "replay"]
+
+
 class EngineConfig(_Strict):
-    backend: Literal["embedded", "vllm", "replay"] = "embedded"
+    backend: Backend = "embedded"
     count: int = Field(1, ge=1, description="engine actors to start")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the backend")
+    backend_options: dict[Backend, dict[str, Any]] = Field(default_factory=dict, description=(
+        "keyword arguments for one backend only, e.g. {embedded: {threads: 1}}: used when it is engine.backend "
+        "(under engine.options, which win), so --set engine.backend=... switches with no other change"))
     max_concurrency: int = Field(64, ge=1, description="requests one engine actor serves at once")
     num_cpus: float | None = Field(None, ge=0, allow_inf_nan=False, description=(
         "Ray CPUs per engine actor (default: embedded 1, vllm 1, replay 0; a local run that cannot fit them "
@@ -68,6 +74,11 @@ class EngineConfig(_Strict):
         "spread", description="spread: engine actors over as many Ray nodes as fit; pack: Ray's default placement")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per engine actor "
                                                                          "(pins engines to the nodes offering them)")
+
+    @property
+    def backend_kwargs(self) -> dict[str, Any]:
+        """What the chosen backend is constructed with: its own section of backend_options, then options."""
+        return {**self.backend_options.get(self.backend, {}), **self.options}
 
 
 class RendererConfig(_Strict):

@@ -3,7 +3,7 @@
 Both commands do the same steps in the same order; each step is one function here, typed on what their
 configs share (:class:`~rollout.config.StartupConfig`):
 
-1. :func:`preflight`, before anything loads: :func:`check_output_dir`, :func:`check_engine_options`,
+1. :func:`preflight`, before anything loads: :func:`check_output_dir`, :func:`check_engine_config`,
    :func:`check_vllm_here` and :func:`fit_cpus`;
 2. :func:`find_model`, :func:`engine_specs` and :func:`create_parser`;
 3. :func:`init_ray` (a local Ray, or join ``ray.address``), then :func:`check_cluster_gpus` and
@@ -89,7 +89,7 @@ def preflight(cfg: StartupConfig, out_dir: Path | None, *, engines_on_ray: bool 
 
     if out_dir is not None:
         check_output_dir(out_dir)
-    check_engine_options(cfg.engine.backend, cfg.engine.options)
+    check_engine_config(cfg.engine)
     if cfg.ray.address:
         return None, None
     check_vllm_here(cfg.engine)
@@ -98,7 +98,15 @@ def preflight(cfg: StartupConfig, out_dir: Path | None, *, engines_on_ray: bool 
     return fit_cpus(cfg, local_ray_cpus(cfg.ray))
 
 
-def check_engine_options(backend: str, options: Mapping[str, Any]) -> None:
+def check_engine_config(engine: EngineConfig) -> None:
+    """``engine.options`` against the chosen backend, and every section of ``engine.backend_options`` against its
+    own backend, chosen or not: a typo there is an error now, not once someone switches the backend."""
+    for backend, options in engine.backend_options.items():
+        check_engine_options(backend, options, key=f"engine.backend_options.{backend}")
+    check_engine_options(engine.backend, engine.options)
+
+
+def check_engine_options(backend: str, options: Mapping[str, Any], key: str = "engine.options") -> None:
     """Refuse options the backend's constructor does not take, naming them and the ones it does, before any
     engine starts (an actor would otherwise fail with a TypeError deep in its start-up)."""
     params = inspect.signature(backend_class(backend)).parameters
@@ -107,7 +115,7 @@ def check_engine_options(backend: str, options: Mapping[str, Any]) -> None:
     allowed = sorted(n for n, p in params.items() if p.kind is not p.VAR_POSITIONAL)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise ValueError(f"engine.options: {', '.join(unknown)} not an option of the {backend} backend "
+        raise ValueError(f"{key}: {', '.join(unknown)} not an option of the {backend} backend "
                          f"(its options: {', '.join(allowed)})")
 
 
@@ -258,8 +266,8 @@ def find_model(name: str) -> Path:
 
 def engine_specs(engine: EngineConfig, model_path: str, num_cpus: float | None = None) -> list[EngineSpec]:
     """The engine actors' specs; ``num_cpus`` replaces the config's CPUs per engine (see :func:`fit_cpus`).
-    Check the options first with :func:`check_engine_options`."""
-    options = dict(engine.options)
+    Check the options first with :func:`check_engine_config`."""
+    options = engine.backend_kwargs
     if engine.backend == "embedded":
         options.setdefault("model", model_path)
     elif engine.backend == "vllm":

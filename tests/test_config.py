@@ -264,3 +264,40 @@ def test_a_signal_while_ray_starts_is_raised_once_it_is_up(sigint_found):
         reached = True  # neither signal cut this block short
     assert reached and got.value.signum == signal.SIGTERM
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+# Issue 31: switching the backend with one flag works for every shipped config; options are still strict.
+
+def _shipped_configs() -> list[tuple[Path, type]]:
+    from rollout.config import RunConfig, ServeConfig
+
+    configs = sorted((REPO / "configs").glob("*.yaml"))
+    assert len(configs) >= 3
+    return [(path, ServeConfig if path.name.startswith("serve") else RunConfig) for path in configs]
+
+
+@pytest.mark.parametrize("backend", ["embedded", "vllm"])
+def test_every_shipped_config_switches_backend_with_one_flag(backend):
+    from rollout import startup
+
+    for path, schema in _shipped_configs():
+        # preflight is the validation `tito run` and `tito serve` do before anything starts; joining a cluster
+        # (never contacted here) it stops after the engine options, before the checks of this machine's vLLM
+        cfg = load_config(path, [f"engine.backend={backend}", "ray.address=ray://127.0.0.1:1"], schema)
+        assert startup.preflight(cfg, None) == (None, None), path
+
+
+def test_backend_options_are_checked_whichever_backend_runs():
+    from rollout.config import ServeConfig
+    from rollout.startup import check_engine_config
+
+    serve = REPO / "configs" / "serve.yaml"
+    cfg = load_config(serve, ["engine.backend_options.embedded.threads=3", "engine.options.max_model_len=512"],
+                      ServeConfig)
+    assert cfg.engine.backend_kwargs == {"threads": 3, "max_model_len": 512}  # engine.options win over a section
+    with pytest.raises(ValueError, match=r"^engine\.backend_options\.vllm: thread not an option of the vllm"):
+        check_engine_config(load_config(serve, ["engine.backend_options.vllm.thread=1"], ServeConfig).engine)
+    with pytest.raises(ValueError, match=r"^engine\.options: threads not an option of the vllm backend"):
+        check_engine_config(load_config(serve, ["engine.backend=vllm", "engine.options.threads=1"], ServeConfig).engine)
+    with pytest.raises(ConfigError, match=r"engine\.backend_options\.vlm"):
+        load_config(serve, ["engine.backend_options.vlm.threads=1"], ServeConfig)
