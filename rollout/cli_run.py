@@ -21,17 +21,21 @@ def needs_placement(command: str, placement: Placement | None) -> Placement:
 def cmd_run(args, placement: Placement | None) -> int:
     import sys
 
-    from .config import load_config
+    from .config import ConfigError, load_config
     from .run import RunInterrupted, _signals_raise, print_summary, run, shutdown_ray
 
     placement = needs_placement("run", placement)
 
+    for flag in ("out", "follow"):
+        # an empty path is no directory: `Path("")` is the current one, where the config's would have gone
+        if getattr(args, flag) is not None and not getattr(args, flag).strip():
+            raise ConfigError(f"--{flag} {getattr(args, flag)!r}: an empty path; name a directory")
     overrides = list(args.set)
     if args.format:
         overrides.append(f"output.format={args.format}")
     if args.address:
         overrides.append(f"ray.address={args.address}")
-    if args.out:
+    if args.out is not None:
         overrides.append(f"output.dir={args.out}")
     cfg = load_config(args.config, overrides)
     # Ctrl-C / SIGTERM: one line and 128 + signal, never a traceback; later ones are ignored until the exit

@@ -129,6 +129,13 @@ class OutputConfig(_Strict):
     flush_interval_s: float = Field(10.0, ge=0, description="... or once the oldest pending group waited this long "
                                                           "(0: a file per group); groups never straddle files")
 
+    @field_validator("dir")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():  # Path("") is the current directory: never what an empty setting meant
+            raise ValueError(f"must name a directory, got {value!r}")
+        return value
+
 
 class FollowConfig(_Strict):
     """``tito run --follow RUN_DIR`` (continuous RL, docs/follow.md): batches of groups written while a trainer

@@ -301,3 +301,19 @@ def test_backend_options_are_checked_whichever_backend_runs():
         check_engine_config(load_config(serve, ["engine.backend=vllm", "engine.options.threads=1"], ServeConfig).engine)
     with pytest.raises(ConfigError, match=r"engine\.backend_options\.vlm"):
         load_config(serve, ["engine.backend_options.vlm.threads=1"], ServeConfig)
+
+
+def test_an_empty_out_is_an_error_before_anything_runs(tmp_path):
+    """Issue 31: `--out ""` ran the config's output.dir under the current directory and exited 0."""
+    import os
+    import sys
+
+    tito = Path(sys.executable).with_name("tito")
+    for out in ("", "  "):
+        done = subprocess.run([str(tito), "run", str(REPO / "configs" / "demo.yaml"), "--out", out], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert done.stderr == f"tito run: error: --out {out!r}: an empty path; name a directory\n"
+        assert list(tmp_path.iterdir()) == [], "nothing is written"
+    with pytest.raises(ConfigError, match=r"output\.dir: must name a directory, got ''"):
+        load_config(REPO / "configs" / "demo.yaml", ["output.dir=''"])
