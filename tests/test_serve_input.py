@@ -9,6 +9,7 @@ Qwen2.5 tokenizer fixture and a real RendererService writing real Arrow shards.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -162,7 +163,7 @@ def test_chat_prompt_too_long_is_refused_before_tokenizing(server):
                      headers={"X-Session-ID": "too-long"})
     elapsed = time.perf_counter() - t0
     assert status == 400 and r["error"]["param"] == "messages", r
-    assert "bytes of message text" in r["error"]["message"] and "max_model_len 1024" in r["error"]["message"]
+    assert "bytes of text" in r["error"]["message"] and "max_model_len 1024" in r["error"]["message"]
     assert elapsed < 5, elapsed
     assert "too-long" not in session_ids(server)
     still_serving(server)
@@ -228,3 +229,70 @@ def test_delete_writes_the_sessions_rows_at_once(server):
     (row,) = rows
     assert row["task_id"] == sid and row["token_ids"] == r["prompt_token_ids"] + r["choices"][0]["token_ids"]
     assert sum(row["loss_mask"]) == 4
+
+
+# ---- issue 31: every text bounded, disconnects mid-body, blank session ids, each value its own field -------
+
+
+BOUND_BYTES = 300_000  # over 256 bytes (Qwen2.5's longest token) x 1023 tokens: the bytes bound refuses it
+TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("where", ["assistant content", "reasoning_content", "tool call arguments", "tool definition"])
+def test_every_text_of_a_chat_request_counts_in_the_bytes_bound(server, where):
+    # texts the old bound skipped: each alone cannot fit 1024 tokens, so the request is refused before it is
+    # tokenized, even where the template would drop the text (Qwen2.5 renders no reasoning_content)
+    big = "x" * BOUND_BYTES
+    assistant, tools = {"role": "assistant", "content": "ok"}, None
+    if where == "assistant content":
+        assistant["content"] = big
+    elif where == "reasoning_content":
+        assistant["reasoning_content"] = big
+    elif where == "tool call arguments":
+        assistant["tool_calls"] = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": big}}}]
+    else:
+        tools = [{**TOOL, "function": {**TOOL["function"], "description": big}}]
+    messages = [*USER, assistant, *([{"role": "tool", "content": "1", "tool_call_id": "c1"}]
+                                    if "tool_calls" in assistant else []), {"role": "user", "content": "go"}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, r = call(server, "POST", path, {"messages": messages, "tools": tools})
+        assert status == 400, (path, r)
+        assert "bytes of text" in r["error"]["message"] and "max_model_len 1024" in r["error"]["message"], r
+        assert r["error"]["param"] == ("tools" if where == "tool definition" else "messages"), r
+    still_serving(server)
+
+
+def test_health_answers_within_a_second_while_four_huge_assistant_messages_are_refused(server):
+    # four 24 MB assistant messages at once (under the 32 MB body limit): each is refused by the bytes bound
+    # before it is tokenized, and the event loop keeps answering /health
+    raw = json.dumps({"messages": [*USER, {"role": "assistant", "content": "hello world " * (2 * 2**20)},
+                                   {"role": "user", "content": "go"}]}).encode()
+    assert len(raw) > 24 * 2**20
+    probes: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            status, _ = call(server, "GET", "/health", timeout=30)
+            probes.append(time.perf_counter() - t0)
+            assert status == 200
+            time.sleep(0.02)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    while not probes:
+        time.sleep(0.01)
+    answers: list = []
+    senders = [threading.Thread(target=lambda: answers.append(call(server, "POST", "/v1/chat/completions", raw=raw)))
+               for _ in range(4)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(120)
+    stop.set()
+    prober.join(30)
+    assert len(probes) >= 3 and max(probes) < 1.0, probes
+    assert len(answers) == 4
+    for status, r in answers:
+        assert status == 400 and r["error"]["param"] == "messages" and "bytes of text" in r["error"]["message"], r

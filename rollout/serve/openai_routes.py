@@ -35,6 +35,7 @@ from .sessions import check_session_id
 from .state import ServerState
 from .stops import MAX_STOP_STRINGS
 from .streaming import stream_chat, stream_completion
+from .text_bound import check_chat_text, check_text
 
 # names Renderer.render takes itself: a chat_template_kwargs entry cannot override them
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "continue_final_message", "conversation",
@@ -150,43 +151,6 @@ async def completions(state: ServerState, request: Request) -> Response:
 # ---- /v1/chat/completions ------------------------------------------------------------------------
 
 
-def check_prompt_bytes(state: ServerState, messages: list[dict]) -> None:
-    """Refuse, before tokenizing, messages whose text cannot fit: a text of B bytes (after the tokenizer's
-    normalizer) needs at least B / max_token_bytes tokens, and the text of every non-assistant message is
-    in the prompt (templates render user, system and tool messages; assistant content may be trimmed, e.g.
-    earlier reasoning, so it is not counted)."""
-    texts = []
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") == "assistant":
-            continue
-        content = m.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            texts += [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-    # the prompt must leave a token to sample
-    check_text_bytes(state, texts, state.fleet.max_model_len - 1, "messages", "message text", "the prompt")
-
-
-def check_text_bytes(state: ServerState, texts: list[str], room: int, param: str, what: str, fits: str) -> None:
-    """BadRequest naming ``param`` when ``texts`` need more than ``room`` tokens by the bytes bound (see
-    check_prompt_bytes); cheap below the bound, a normalizer pass over the text above it."""
-    cheap = sum(len(t) for t in texts)  # characters <= bytes: below this bound nothing needs counting
-    if cheap * 4 <= state.max_token_bytes * room:
-        return
-    normalizer = state.parser.tokenizer.backend.normalizer
-    total = 0
-    for t in texts:
-        t = t.strip()
-        if normalizer is not None:
-            t = normalizer.normalize_str(t)
-        total += len(t.encode("utf-8", "surrogatepass"))
-    if total > state.max_token_bytes * room:
-        raise BadRequest(f"{param}: {total} bytes of {what} need more than {room} tokens (no token of this "
-                         f"vocabulary is longer than {state.max_token_bytes} bytes), so {fits} cannot fit "
-                         f"max_model_len {state.fleet.max_model_len}", param)
-
-
 def _template_kwargs(state: ServerState, body: ChatBody, session: bool, ignored: list[str]) -> dict:
     kwargs = dict(body.chat_template_kwargs or {})
     for name in kwargs:
@@ -227,7 +191,7 @@ def _check_chat(state: ServerState, body: ChatBody, session: bool) -> list[str]:
         if body.continue_final_message or not body.add_generation_prompt:
             raise BadRequest("a session turn answers the last message: add_generation_prompt must be true and "
                              "continue_final_message false", "add_generation_prompt")
-    check_prompt_bytes(state, body.messages)
+    check_chat_text(state, body.messages, body.tools)
     return ignored
 
 
@@ -281,7 +245,8 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         turn = await open_turn(state, session_id, body)  # holds the session's lock until turn.close()
         prompt = turn.prompt
     else:
-        prompt = _stateless_prompt(state, body, kwargs)
+        # in a worker thread: a long prompt under the bytes bound may take seconds to tokenize, the loop serves on
+        prompt = await asyncio.to_thread(_stateless_prompt, state, body, kwargs)
     try:
         sp = calls.sampling(state, len(prompt), max_tokens, **sampling_kw)
         req = GenerateRequest(request_id=rid, prompt_ids=prompt, sampling=sp,
@@ -313,23 +278,23 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
 
 async def tokenize(state: ServerState, request: Request) -> Response:
     """vLLM's /tokenize. Text that cannot fit ``max_model_len`` tokens is refused before it is tokenized
-    (as chat's messages are), and a text prompt is tokenized in a worker thread (``encode_batch`` releases
-    the GIL), so other requests, /health included, are answered meanwhile."""
+    (as chat's messages are, text_bound.py), and a text prompt or messages are tokenized in a worker thread
+    (``encode_batch`` releases the GIL), so other requests, /health included, are answered meanwhile."""
     body: TokenizeBody = decode(await calls.read_body(state, request), TokenizeBody)
     calls.check_model(state, body.model)
     tok = state.parser.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise BadRequest("send either prompt (text) or messages (chat)", "prompt")
     if body.messages is not None:
-        check_prompt_bytes(state, body.messages)
+        check_chat_text(state, body.messages, body.tools)
         chat = ChatBody(messages=body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
                         continue_final_message=body.continue_final_message,
                         chat_template_kwargs=body.chat_template_kwargs)
         if chat.add_generation_prompt and chat.continue_final_message:
             raise BadRequest("continue_final_message needs add_generation_prompt=false", "continue_final_message")
-        ids = _stateless_prompt(state, chat, _template_kwargs(state, chat, False, []))
+        ids = await asyncio.to_thread(_stateless_prompt, state, chat, _template_kwargs(state, chat, False, []))
     else:
-        check_text_bytes(state, [body.prompt], state.fleet.max_model_len, "prompt", "text", "its tokens")
+        check_text(state, {"prompt": [body.prompt]}, state.fleet.max_model_len, "its tokens")
         # what the tokenizer's own post-processor adds (HF's tokenizer(text), vLLM's /tokenize): SmolLM2 adds no BOS
         encoded = await asyncio.to_thread(tok.backend.encode_batch, [body.prompt],
                                           add_special_tokens=body.add_special_tokens)

@@ -13,6 +13,7 @@ from ..engines.protocol import EngineInfo
 from .fleet import Fleet
 from .metrics import Metrics, server_metrics
 from .sessions import SessionManager
+from .text_bound import normalizer_forms
 
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -60,3 +61,8 @@ class ServerState:
         B / max_token_bytes tokens, whatever the tokenizer does with it."""
         vocab = self.parser.tokenizer.backend.get_vocab(with_added_tokens=True)
         return max(len(t.encode("utf-8")) for t in vocab)
+
+    @cached_property
+    def normalizer_forms(self) -> tuple[str, ...] | None:
+        """The tokenizer's normalizer as Unicode normal forms, for the bytes bound (text_bound.py)."""
+        return normalizer_forms(self.parser.tokenizer.backend)
