@@ -140,7 +140,7 @@ def test_generate_stop_ids_n_and_server_side_default_max_tokens(server):
     ({"token_ids": [1], "sampling_params": {"max_token": 4}}, 400, "unknown field `max_token`"),
     ({"token_ids": [1], "sampling_params": {"max_tokens": 4, "stop": ["\n"]}}, 400, "stop strings"),
     ({"token_ids": [1], "sampling_params": {"max_tokens": 4, "repetition_penalty": 1.2}}, 400, "repetition_penalty"),
-    ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, 400, "max_tokens must be >= 1"),
+    ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, 400, "max_tokens=0 must be >= 1"),
     ({"token_ids": [1], "sampling_params": {"max_tokens": 4, "top_p": 0}}, 400, "top_p"),
     ({"token_ids": [1], "sampling_params": {"max_tokens": 4, "stop_token_ids": [VOCAB]}}, 400, "stop token id"),
     ({"token_ids": [1], "stream": True}, 400, "stream"),

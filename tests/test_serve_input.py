@@ -234,6 +234,11 @@ def test_delete_writes_the_sessions_rows_at_once(server):
 # ---- issue 31: every text bounded, disconnects mid-body, blank session ids, each value its own field -------
 
 
+def _metrics(srv) -> dict[str, float]:
+    _, text = call(srv, "GET", "/metrics")
+    return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines() if not line.startswith("#"))}
+
+
 BOUND_BYTES = 300_000  # over 256 bytes (Qwen2.5's longest token) x 1023 tokens: the bytes bound refuses it
 TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
 
@@ -296,3 +301,79 @@ def test_health_answers_within_a_second_while_four_huge_assistant_messages_are_r
     assert len(answers) == 4
     for status, r in answers:
         assert status == 400 and r["error"]["param"] == "messages" and "bytes of text" in r["error"]["message"], r
+
+
+def test_a_client_that_hangs_up_mid_body_is_a_disconnect_not_a_500(server):
+    import socket
+
+    route = "/inference/v1/generate"
+    before = _metrics(server)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 1000\r\n\r\n".encode() + b'{"token_ids": [1, 2, 3')
+        time.sleep(0.2)  # the server is reading the body when the client goes
+    key = f'tito_requests_total{{route="{route}",status="%s"}}'
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = _metrics(server)
+        counted = {k: v - before.get(k, 0.0) for k, v in after.items()
+                   if k.startswith(f'tito_requests_total{{route="{route}"') and v != before.get(k, 0.0)}
+        if counted:
+            break
+        time.sleep(0.05)
+    assert counted == {key % 499: 1.0}, counted
+    assert after.get("tito_engine_errors_total", 0.0) == before.get("tito_engine_errors_total", 0.0)
+    disconnects = 'tito_client_disconnects_total{stage="body"}'
+    assert after.get(disconnects, 0.0) == before.get(disconnects, 0.0) + 1
+    still_serving(server)
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_a_blank_session_id_header_is_400_naming_it(server, value):
+    before = session_ids(server)
+    for path, body in (("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}),
+                       ("/v1/chat/completions", {"messages": USER, "max_tokens": 2})):
+        for headers in ({"X-Session-ID": value}, {"X-Session-ID": value, "X-Session-End": "true"}):
+            status, r = call(server, "POST", path, body, headers=headers)
+            assert status == 400 and r["error"]["param"] == "X-Session-ID", (path, headers, r)
+            assert "X-Session-ID" in r["error"]["message"], r
+    assert session_ids(server) == before
+    still_serving(server)
+
+
+def test_each_invalid_sampling_value_names_its_own_field(server):
+    """Every out-of-range sampling value is a 400 whose param (and message) names that field, on the three
+    generating routes: never a neighbour's name (max_tokens -1 blamed min_tokens)."""
+    cases = {"max_tokens": [-1, 0], "min_tokens": [-1, MAX_LEN + 5], "temperature": [-1, 1e-300],
+             "top_p": [0, -0.5, 1.5], "top_k": [-2], "n": [0, -1], "seed": [2**64], "stop_token_ids": [[-1]],
+             "prompt_logprobs": [-1, 21]}
+    wrong = []
+    for name, values in cases.items():
+        for v in values:
+            for path in ("/inference/v1/generate", "/v1/completions", "/v1/chat/completions"):
+                if path == "/inference/v1/generate":
+                    body, param = {"token_ids": [1, 2], "sampling_params": {name: v}}, f"sampling_params.{name}"
+                elif path == "/v1/completions":
+                    body, param = {"prompt": [1, 2], name: v}, name
+                else:
+                    body, param = {"messages": USER, name: v}, name
+                wrong.append((path, name, v, *call(server, "POST", path, body)))
+                status, r = wrong[-1][3:]
+                if status == 400 and r["error"]["param"] == param and name in r["error"]["message"]:
+                    wrong.pop()
+    for path, body, param in (
+            ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"logprobs": 21}}, "sampling_params.logprobs"),
+            ("/v1/completions", {"prompt": [1], "logprobs": -1}, "logprobs"),
+            ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": -1}, "max_completion_tokens"),
+            ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
+            ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 2, "min_tokens": 3}, "min_tokens"),
+            # a prompt that leaves no room, no max_tokens sent: the prompt's fault
+            ("/inference/v1/generate", {"token_ids": [1] * MAX_LEN}, "token_ids"),
+            ("/v1/completions", {"prompt": [1] * MAX_LEN}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 2000}]}, "messages")):
+        status, r = call(server, "POST", path, body)
+        if not (status == 400 and r["error"]["param"] == param and param.rsplit(".")[-1] in r["error"]["message"]):
+            wrong.append((path, body, status, r))
+    assert not wrong, "\n".join(map(str, wrong))
+    still_serving(server)

@@ -46,7 +46,7 @@ from .schemas import (
     struct_values,
     weight_spans,
 )
-from .sessions import SessionLimit, check_session_id
+from .sessions import SessionLimit, check_session_id, session_header
 from .state import ServerState
 
 __all__ = ["ServerState", "create_app"]
@@ -86,12 +86,14 @@ async def generate(state: ServerState, request: Request) -> Response:
         sampling = calls.sampling(state, len(body.token_ids), sp.max_tokens, temperature=sp.temperature,
                                   top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed, n=sp.n,
                                   stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
-                                  **generate_extras(state, sp))
+                                  prompt_param="token_ids", **generate_extras(state, sp))
     except BadRequest as exc:
-        raise BadRequest(str(exc), f"sampling_params.{exc.param}" if exc.param else None) from None
+        raise BadRequest(str(exc), exc.param if exc.param in (None, "token_ids") else
+                         f"sampling_params.{exc.param}") from None
     # The salt, else the X-Session-ID header verifiers' TrainClient and SkyRL send, keys the engine's session
     # KV and the routing: the turns of one rollout reuse their KV on the engine that holds it.
-    session = body.cache_salt or request.headers.get("x-session-id") or None
+    header = session_header(request.headers)  # checked even when the salt wins: a blank one is a 400 anyway
+    session = body.cache_salt or header
     req = GenerateRequest(request_id=rid, prompt_ids=body.token_ids, sampling=sampling, session_id=session)
     calls.validated(state, req, prefix="sampling_params.", prompt_param="token_ids")
     out, call_s = await calls.generate(state, request, req, session)
@@ -216,7 +218,7 @@ async def chat(state: ServerState, request: Request) -> Response:
         if low not in ("true", "1", "false", "0"):
             raise BadRequest(f"X-Session-End must be true or false, got {value!r}", "X-Session-End")
         end = low in ("true", "1")
-        if end and not request.headers.get("x-session-id"):
+        if end and session_header(request.headers) is None:
             raise BadRequest("X-Session-End needs X-Session-ID: it ends that session", "X-Session-End")
     token = SESSION_END.set(end)
     try:
@@ -237,9 +239,14 @@ def _wrap(state: ServerState, name: str, handler: Handler) -> Callable[[Request]
         t0 = time.perf_counter()
         try:
             response = await handler(state, request)
-        except ClientGone:
-            m.inc("aborts_total", cause="client_disconnect")
-            response = error_response(499, "client disconnected; the request was aborted", "ClientClosedRequest")
+        except ClientGone as exc:  # 499 (nginx's "client closed request"): never a 5xx, nothing failed here
+            m.inc("client_disconnects_total", stage=exc.stage)
+            if exc.stage == "running":
+                m.inc("aborts_total", cause="client_disconnect")
+                message = "client disconnected; the request was aborted"
+            else:
+                message = "client disconnected before its request body was in; nothing ran"
+            response = error_response(499, message, "ClientClosedRequest")
         except BadRequest as exc:
             response = error_response(exc.status, str(exc), exc.kind, exc.param)
             if exc.status == 408:  # the rest of the body may still come: this connection cannot be reused

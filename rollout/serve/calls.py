@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ..engines.protocol import (
@@ -31,7 +31,12 @@ _encoder = msgspec.json.Encoder()
 
 
 class ClientGone(Exception):
-    """The client disconnected; its request was aborted."""
+    """The client disconnected: while its request ran (``stage`` "running": the engine request was
+    aborted), or before its body was in ("body": nothing ran)."""
+
+    def __init__(self, stage: str = "running") -> None:
+        super().__init__(stage)
+        self.stage = stage
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -56,11 +61,14 @@ async def read_body(state: ServerState, request: Request) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"request body of {int(declared)} bytes is over the server's limit of {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise TooLarge(f"request body is over the server's limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise TooLarge(f"request body is over the server's limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # hung up mid-body: the client's doing, not a server or engine failure
+        raise ClientGone("body") from None
     return b"".join(chunks)
 
 
@@ -93,40 +101,50 @@ def check_model(state: ServerState, model: str | None) -> None:
         raise BadRequest(f"unknown model {model!r}: this server serves {state.model_names[0]!r}", "model")
 
 
-def max_tokens_for(state: ServerState, prompt_len: int, requested: int | None) -> int:
+def max_tokens_for(state: ServerState, prompt_len: int, requested: int | None, prompt_param: str = "prompt") -> int:
     room = state.fleet.max_model_len - prompt_len
     if requested is not None:
         return requested  # validate_request names an overflow with the numbers
-    if room < 1:
-        raise BadRequest(f"prompt ({prompt_len} tokens) leaves no room to sample: max_model_len is "
-                         f"{state.fleet.max_model_len}", "max_tokens")
+    if room < 1:  # the prompt's fault: no max_tokens was sent
+        raise BadRequest(f"{prompt_param}: the prompt ({prompt_len} tokens) leaves no room to sample: max_model_len "
+                         f"is {state.fleet.max_model_len}", prompt_param)
     return min(room, state.default_max_tokens) if state.default_max_tokens else room
 
 
 def sampling(state: ServerState, prompt_len: int, max_tokens: int | None, *, temperature: float, top_p: float,
              top_k: int, seed: int | None, n: int, stop_token_ids: list[int] | None, ignore_eos: bool,
              extra_stops: tuple[int, ...] = (), min_tokens: int = 0, top_logprobs: int = 0,
-             prompt_logprobs: int | None = None) -> SamplingParams:
+             prompt_logprobs: int | None = None, prompt_param: str = "prompt") -> SamplingParams:
     """The engine's sampling settings. As in vLLM, a completion stops at the model's EOS ids unless
     ``ignore_eos``, whatever ``stop_token_ids`` says (the engines themselves stop only where told), and
-    ``min_tokens`` holds back those stops (and EOS) until that many tokens are sampled."""
+    ``min_tokens`` holds back those stops (and EOS) until that many tokens are sampled. ``prompt_param``:
+    the route's name for the prompt, blamed when it leaves no room to sample."""
     eos = () if ignore_eos else tuple(state.engine_info().eos_token_ids)
     stops = tuple(dict.fromkeys([*extra_stops, *(stop_token_ids or []), *eos]))
-    return SamplingParams(max_tokens=max_tokens_for(state, prompt_len, max_tokens), temperature=temperature,
+    return SamplingParams(max_tokens=max_tokens_for(state, prompt_len, max_tokens, prompt_param), temperature=temperature,
                           top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stops, logprobs=True,
                           ignore_eos=ignore_eos, n=n, min_tokens=min_tokens, top_logprobs=top_logprobs,
                           prompt_logprobs=prompt_logprobs)
 
 
-def validated(state: ServerState, req: GenerateRequest, prefix: str = "", prompt_param: str = "prompt") -> None:
+def validated(state: ServerState, req: GenerateRequest, prefix: str = "", prompt_param: str = "prompt",
+              max_param: str = "max_tokens") -> None:
     """validate_request, its errors named as this route's fields (``sampling_params.seed`` on the vLLM
-    route, ``seed`` on the OpenAI ones; the prompt is ``token_ids``, ``prompt`` or ``messages``)."""
+    route, ``seed`` on the OpenAI ones; the prompt is ``token_ids``, ``prompt`` or ``messages``; chat's
+    ``max_completion_tokens`` when it was the one sent). The message starts with the field's name unless
+    it already says it."""
     try:
         validate_request(req, state.engine_info())
     except EngineError as exc:
         param = exc.param
-        param = prompt_param if param == "prompt" else (f"{prefix}{param}" if param else None)
-        raise BadRequest(str(exc), param) from None
+        if param == "prompt":
+            param = prompt_param
+        elif param:
+            param = prefix + (max_param if param == "max_tokens" else param)
+        message = str(exc)
+        if param and param.rsplit(".", 1)[-1] not in message:
+            message = f"{param}: {message}"
+        raise BadRequest(message, param) from None
     if req.request_id in state.fleet.where:
         raise Conflict(f"request_id {req.request_id!r} is already running; use another id (or abort it first)",
                        "request_id")

@@ -31,7 +31,7 @@ from .schemas import (
     struct_values,
     weight_spans,
 )
-from .sessions import check_session_id
+from .sessions import check_session_id, session_header
 from .state import ServerState
 from .stops import MAX_STOP_STRINGS
 from .streaming import stream_chat, stream_completion
@@ -217,7 +217,7 @@ def _stateless_prompt(state: ServerState, body: ChatBody, kwargs: dict) -> list[
 
 async def chat_completions(state: ServerState, request: Request) -> Response:
     body: ChatBody = decode(await calls.read_body(state, request), ChatBody)
-    session_id = request.headers.get("x-session-id") or None
+    session_id = session_header(request.headers)
     if session_id is not None:
         check_session_id(session_id)
     ignored = _check_chat(state, body, bool(session_id))
@@ -230,13 +230,17 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     sampling_kw = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed, n=body.n,
                        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                        extra_stops=tuple(state.parser.stop_token_ids), min_tokens=body.min_tokens,
-                       top_logprobs=top if top >= 2 else 0, prompt_logprobs=body.prompt_logprobs)
-    # the sampling settings alone (a one-token stand-in prompt), so a bad value is refused before a session
-    # opens; max_tokens against the real prompt is checked once it is rendered
-    if max_tokens is not None and body.min_tokens > max_tokens:
-        raise BadRequest(f"min_tokens={body.min_tokens} must be in [0, max_tokens={max_tokens}]", "min_tokens")
-    probe = max_tokens if max_tokens is not None and max_tokens < 1 else max(1, body.min_tokens)
-    calls.validated(state, GenerateRequest(rid, [0], calls.sampling(state, 1, probe, **sampling_kw)),
+                       top_logprobs=top if top >= 2 else 0, prompt_logprobs=body.prompt_logprobs,
+                       prompt_param="messages")
+    max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    # the sampling settings alone (a one-token stand-in prompt, max_tokens >= min_tokens), so a bad value is
+    # refused before a session opens; max_tokens against the real prompt is checked once it is rendered.
+    # (check_unsupported refused max_tokens < 1 and min_tokens outside [0, max_tokens], each by its name.)
+    limit = state.fleet.max_model_len
+    if body.min_tokens >= limit:
+        raise BadRequest(f"min_tokens={body.min_tokens} must be below max_model_len {limit} (a prompt takes at "
+                         "least one token)", "min_tokens")
+    calls.validated(state, GenerateRequest(rid, [0], calls.sampling(state, 1, max(1, body.min_tokens), **sampling_kw)),
                     prompt_param="messages")
     turn = None
     if session_id:
@@ -251,7 +255,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         sp = calls.sampling(state, len(prompt), max_tokens, **sampling_kw)
         req = GenerateRequest(request_id=rid, prompt_ids=prompt, sampling=sp,
                               session_id=session_id or body.cache_salt)
-        calls.validated(state, req, prompt_param="messages")
+        calls.validated(state, req, prompt_param="messages", max_param=max_param)
         if turn is not None:
             turn.validated()
         c = Call(rid, [req], [prompt], session_id or body.cache_salt, stops, body.include_stop_str_in_output, ignored)

@@ -110,9 +110,17 @@ def check_unsupported(values: dict[str, Any], where: str = "sampling_params", op
     if kind is not None and kind not in (0, 2):
         raise BadRequest(f"{prefix}output_kind={kind!r}: only 0 (cumulative) or 2 (final only); this route answers "
                          "with the whole completion, not deltas", f"{prefix}output_kind")
-    min_tokens, max_tokens = values.get("min_tokens") or 0, values.get("max_tokens")
+    # each bound blames its own field: max_tokens=-1 is max_tokens' fault, not min_tokens'
+    for name in ("max_tokens", "max_completion_tokens"):
+        n = values.get(name)
+        if n is not None and n < 1:
+            raise BadRequest(f"{prefix}{name}={n} must be >= 1", f"{prefix}{name}")
+    # chat's max_completion_tokens wins over its max_tokens
+    name = "max_completion_tokens" if values.get("max_completion_tokens") is not None else "max_tokens"
+    min_tokens, max_tokens = values.get("min_tokens") or 0, values.get(name)
     if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
-        raise BadRequest(f"{prefix}min_tokens={min_tokens} must be in [0, max_tokens]", f"{prefix}min_tokens")
+        bound = f"[0, {name}={max_tokens}]" if max_tokens is not None else "[0, max_model_len)"
+        raise BadRequest(f"{prefix}min_tokens={min_tokens} must be in {bound}", f"{prefix}min_tokens")
     return ignored
 
 

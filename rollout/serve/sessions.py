@@ -60,6 +60,17 @@ def check_session_id(session_id: str, param: str = "X-Session-ID") -> str:
     return session_id
 
 
+def session_header(headers: Any) -> str | None:
+    """The ``X-Session-ID`` header's value, None when the header is absent. Present but empty or blank (a
+    parser strips the spaces: ``X-Session-ID:   `` arrives empty) is a 400 naming it: a client that meant a
+    session must not be served stateless with nothing recorded."""
+    value = headers.get("x-session-id")
+    if value is not None and not value.strip():
+        raise BadRequest(f"X-Session-ID is empty: send a session id ({SESSION_ID_RULE}) or leave the header out",
+                         "X-Session-ID")
+    return value
+
+
 class SessionLimit(RuntimeError):
     """Too many sessions are held (429)."""
 

@@ -42,6 +42,7 @@ def _include_usage(body: ChatBody | CompletionsBody) -> bool:
 def _response(state: ServerState, events: AsyncIterator[bytes], c: Call, turn: Any = None) -> SSEResponse:
     async def on_close(client_gone: bool) -> None:
         if client_gone:
+            state.metrics.inc("client_disconnects_total", stage="running")
             state.metrics.inc("aborts_total", cause="client_disconnect")
         if turn is not None:
             await turn.close()
