@@ -18,10 +18,27 @@ def needs_placement(command: str, placement: Placement | None) -> Placement:
     return placement
 
 
+# `tito run`'s exit status when every engine died: finished groups (or sealed batches) are on disk, the rest
+# needs engines (2 is a usage or config error, 1 a run that wrote nothing, 128 + N a signal)
+EXIT_ENGINES_DIED = 3
+
+
+def _command(args, *extra: str) -> str:
+    """The ``tito run`` command line ``args`` came from (its settings in the same order), plus ``extra``."""
+    import shlex
+
+    words = ["tito", "run", args.config, *(w for kv in args.set for w in ("--set", kv))]
+    for flag in ("format", "address", "out", "follow"):
+        if getattr(args, flag) is not None:
+            words += [f"--{flag}", getattr(args, flag)]
+    return shlex.join([*words, *(["--quiet"] if args.quiet else []), *extra])
+
+
 def cmd_run(args, placement: Placement | None) -> int:
     import sys
 
     from .config import ConfigError, load_config
+    from .loop import AllEnginesDied
     from .run import RunInterrupted, _signals_raise, print_summary, run, shutdown_ray
 
     placement = needs_placement("run", placement)
@@ -55,6 +72,17 @@ def cmd_run(args, placement: Placement | None) -> int:
                 print(f"tito run: {exc}: {s['this_run']['rollouts']} rollouts written this run, {s['rollouts']} in "
                       f"all in {cfg.output.dir}; rerun with --resume to finish", file=sys.stderr)
             return 128 + exc.signum
+        except AllEnginesDied as exc:  # run() raises it once the finished work is on disk, with its summary
+            s = exc.summary
+            if args.follow:
+                print(f"tito run --follow: {exc}: {s['sealed']} batches sealed in {args.follow}; once engines can "
+                      f"run, `{_command(args)}` goes on from the next batch", file=sys.stderr)
+            else:
+                this = s["this_run"]
+                print(f"tito run: {exc}: {this['groups_written']} finished groups ({this['rollouts']} rollouts) written "
+                      f"this run, {s['rollouts']} rollouts in all in {cfg.output.dir}; {this['groups_not_run']} groups "
+                      f"not run: `{_command(args, '--resume')}` runs them", file=sys.stderr)
+            return EXIT_ENGINES_DIED
         else:
             if args.follow:
                 print(f"tito run --follow: {args.follow}: {summary['sealed']} batches sealed")

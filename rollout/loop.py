@@ -26,8 +26,8 @@ import contextlib
 import hashlib
 import statistics
 from collections import Counter
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -41,10 +41,18 @@ from .routing import StickyLeastLoaded
 from .turns import Finished, RolloutMeta, SampledTurn, Sampling
 
 MAX_ATTEMPTS = 3
+T = TypeVar("T")
 
 
 class EngineDied(RuntimeError):
     pass
+
+
+class AllEnginesDied(RuntimeError):
+    """No engine is left alive: nothing more can be sampled. The groups finished before are with the renderers;
+    ``tito run`` writes them and stops (``summary``: the run summary it wrote, set by rollout/run.py)."""
+
+    summary: dict | None = None
 
 
 class RolloutOutcome(msgspec.Struct):
@@ -64,6 +72,17 @@ class RolloutOutcome(msgspec.Struct):
     version_min: int | None = None  # the lowest and highest version that sampled any of its tokens (None: none)
     version_max: int | None = None
     withheld: str | None = None  # why its rows were not written (follow mode: too stale); its reward still counts
+
+
+async def settled(coros: Iterable[Awaitable[T]]) -> list[T]:
+    """``asyncio.gather`` that lets every awaitable end before raising the first failure. A plain gather raises
+    at once and leaves the others running unawaited: a group whose rollouts all finished could then be cut off
+    by the run's end before its rows reach a renderer, and their own failures are logged as never retrieved."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise failed
+    return results  # type: ignore[return-value]
 
 
 def is_actor_death(exc: BaseException) -> bool:
@@ -109,7 +128,7 @@ class RolloutDriver:
     # ---- groups ----------------------------------------------------------------------------------
 
     async def run(self, tasks: list[Task]) -> list[RolloutOutcome]:
-        groups = await asyncio.gather(*(self.run_group(task, gi) for gi, task in enumerate(tasks)))
+        groups = await settled(self.run_group(task, gi) for gi, task in enumerate(tasks))
         return [o for group in groups for o in group]
 
     async def run_group(self, task: Task, group_index: int, *, group_id: str | None = None,
@@ -120,9 +139,8 @@ class RolloutDriver:
         withheld (``withheld`` says why; no row is written) but its reward still counts in the baseline."""
         group_id = group_id or f"{task.task_id}"
         renderer = self.renderers[group_index % len(self.renderers)]
-        outcomes = await asyncio.gather(
-            *(self._run_with_retries(task, group_id, f"{group_id}#{k}", renderer) for k in range(self.cfg.group_size))
-        )
+        outcomes = await settled(
+            self._run_with_retries(task, group_id, f"{group_id}#{k}", renderer) for k in range(self.cfg.group_size))
         self._advantages(outcomes)
         s = self.cfg.sampling
         sampling = Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
@@ -165,12 +183,14 @@ class RolloutDriver:
                                 renderer: RendererHandle) -> RolloutOutcome:
         for _attempt in range(MAX_ATTEMPTS):
             async with self.limit:
+                self._some_engine_alive()
                 try:
                     outcome = await asyncio.wait_for(
                         self.run_rollout(task, group_id, rollout_id, renderer), self.cfg.rollout_timeout_s
                     )
                 except EngineDied:
                     await renderer.discard(rollout_id)
+                    self._some_engine_alive()  # else no rerun: it would only fail the same way
                     self.reruns += 1
                     continue
                 except TimeoutError:
@@ -186,6 +206,11 @@ class RolloutDriver:
                 self.on_progress(outcome)
             return outcome
         raise RuntimeError(f"rollout {rollout_id}: every engine it was sent to died ({MAX_ATTEMPTS} attempts)")
+
+    def _some_engine_alive(self) -> None:
+        if not self.router.alive():
+            n = len(self.engines)
+            raise AllEnginesDied("the engine died" if n == 1 else f"all {n} engines died")
 
     # ---- one rollout -----------------------------------------------------------------------------
 

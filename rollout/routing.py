@@ -44,6 +44,8 @@ class StickyLeastLoaded:
         return home
 
     def release(self, index: int) -> None:
+        if self.load[index] >= DEAD:  # dropped while this request was in flight: it must stay dropped
+            return
         self.load[index] -= 1
         since = self._busy_since[index]
         if self.load[index] == 0 and since is not None:
@@ -59,6 +61,10 @@ class StickyLeastLoaded:
 
     def drop_engine(self, index: int) -> None:
         """An engine died: its sessions move on their next turn; it gets no new requests."""
+        since = self._busy_since[index]
+        if since is not None and self.load[index] < DEAD:  # its busy time ends with it
+            self.busy_s[index] += time.perf_counter() - since
+        self._busy_since[index] = None
         self.load[index] = DEAD
         for session, home in list(self.home.items()):
             if home == index:

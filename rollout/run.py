@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from . import startup
 from .config import RunConfig
 from .handles import EngineHandle, RendererHandle
-from .loop import RolloutDriver
+from .loop import AllEnginesDied, RolloutDriver
 from .outputs import check_resume, complete_groups, drop_groups, remove_temporaries, write_failure, write_outputs
 from .progress import Progress, ready_line, startup_line
 from .shards import DATA_DIR, ShardWriteError, output_shards, read_table, write_error_of
@@ -158,8 +158,8 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
         follow: str | Path | None = None) -> dict[str, Any]:
     """Run every task's group (skipping, with ``resume``, the groups complete on disk) on actors that
     ``placement`` starts, and return the summary written to ``_summary.json``. Raises
-    :class:`RunInterrupted` on SIGINT/SIGTERM after the finished groups, the manifest and the summary are
-    on disk.
+    :class:`RunInterrupted` on SIGINT/SIGTERM, and :class:`~rollout.loop.AllEnginesDied` (its ``summary`` set)
+    once every engine died, after the finished groups, the manifest and the summary are on disk.
 
     ``follow=RUN_DIR``: continuous RL instead (rollout/follow/): batches of ``follow.groups_per_step`` groups
     drawn from the tasks go to ``RUN_DIR/rollouts/step_k/`` while the trainer's weights are loaded as they
@@ -219,6 +219,7 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
     driver: RolloutDriver | None = None
     rinfo = {"renderer": parser.name, "template_sha256": parser.template_sha256}
     startup_s = wall_s = 0.0
+    t1: float | None = None
     error: Exception | None = None
     t0 = time.perf_counter()
     with _signals_raise():
@@ -251,11 +252,12 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
                                                renderer_info=rinfo).run()
 
                 asyncio.run(_drive(serve_batches(), signals))
-            wall_s = time.perf_counter() - t1
         except RunInterrupted as exc:  # during start-up, or at the very end
             signals.append(exc.signum)
         except Exception as exc:  # still flush what finished and record it, then re-raise
             error = write_error_of(exc) or exc  # a failed shard write: its own one-line message
+        if t1 is not None:
+            wall_s = time.perf_counter() - t1
     with _signals_ignored():
         # flush: every finished group still pending in a renderer goes to a file now
         try:
@@ -276,6 +278,8 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
             summary = {"run_dir": str(follow), "sealed": recover(follow), "wall_s": round(wall_s, 3),
                        "startup_s": round(startup_s, 3), "resumed_turns": driver.resumed_turns if driver else 0,
                        "interrupted": signal.Signals(signals[0]).name if signals else None}
+            if isinstance(error, AllEnginesDied):
+                error.summary = summary
             if error is not None:
                 raise error
             if signals:
@@ -283,10 +287,14 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
             return summary
         rollouts, tokens = _this_run(out_dir, closed)
         busy = driver.router.busy_s if driver is not None else [0.0]
+        groups_written = rollouts // cfg.group_size  # groups are written whole
         run_info = {
             "rollouts": rollouts, "completion_tokens": tokens, "tasks": len(tasks), "skipped_tasks_resumed": skipped,
             "resumed": resume, "groups_rerun_after_repair": repaired,
             "interrupted": signal.Signals(signals[0]).name if signals else None,
+            # a run cut short (a signal, every engine dead): what --resume has left to run
+            "groups_written": groups_written, "groups_not_run": len(tasks) - groups_written,
+            "engines_died": str(error) if isinstance(error, AllEnginesDied) else None,
             "reruns_after_engine_death": driver.reruns if driver is not None else 0,
             "wall_s": round(wall_s, 3), "startup_s": round(startup_s, 3),
             # wall time each engine had a request in flight; wall / busy is the orchestration overhead
@@ -303,6 +311,8 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
         else:
             if isinstance(error, ShardWriteError):
                 error = write_failure(error, out_dir, summary=summary)
+            elif isinstance(error, AllEnginesDied):
+                error.summary = summary
         placement.stop([*engines, *renderer_actors])
     if error is not None:
         raise error

@@ -29,3 +29,14 @@ def test_dead_engine_gets_nothing():
     r.home["s"] = 0
     r.drop_engine(0)
     assert r.acquire("s") == 1 and r.acquire("t") == 1
+
+
+def test_an_engine_dropped_with_requests_in_flight_stays_dropped():
+    """Issue 31: the requests a dying engine held are released after it is dropped. Each release took one off
+    its load, so it counted as alive again and a run whose every engine died retried against the dead one."""
+    r = StickyLeastLoaded(1)
+    held = [r.acquire(f"s{i}") for i in range(3)]
+    r.drop_engine(0)
+    for index in held:
+        r.release(index)
+    assert r.alive() == []

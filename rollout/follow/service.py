@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 from ..config import RunConfig
 from ..envs.base import Task
 from ..handles import EngineHandle, RendererHandle
-from ..loop import RolloutDriver, RolloutOutcome, is_actor_death
+from ..loop import AllEnginesDied, RolloutDriver, RolloutOutcome, is_actor_death, settled
 from ..outputs import rollout_totals
 from ..shards import (
     CHECKSUM,
@@ -248,6 +248,8 @@ class FollowService:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     if t.exception() is not None:
+                        if isinstance(t.exception(), AllEnginesDied) and t in self._batches:
+                            await self._seal_sampled(self._batches[:self._batches.index(t)])
                         raise t.exception()
         finally:
             for t in (watcher, admitter, *self._batches):
@@ -255,6 +257,15 @@ class FollowService:
             await asyncio.gather(watcher, admitter, *self._batches, return_exceptions=True)
             self.metrics.close()
         return self.sealed
+
+    @staticmethod
+    async def _seal_sampled(batches: list[asyncio.Task]) -> None:
+        """Every engine died: the batches before the one that found out, whose rollouts all finished, still seal
+        (that needs no engine); one still sampling fails at once, and the batches after it cannot seal."""
+        for batch in batches:  # in step order: the order they seal in
+            await asyncio.wait([batch])
+            if batch.exception() is not None:
+                return
 
     def _check_inflight(self) -> None:
         """``follow.inflight: keep`` needs engines that stamp each token with the version that sampled it
@@ -292,9 +303,9 @@ class FollowService:
         need = min_version(k, self.follow.max_off_policy_steps)
         admitted_at = self.weights.version
         groups = self.pool.draw(k, self.follow.groups_per_step)
-        outcomes = await asyncio.gather(*(
+        outcomes = await settled(
             self.driver.run_group(task, g, group_id=f"{task.task_id}@{k}.{j}", out_dir=str(out_dir), min_version=need)
-            for j, (g, task) in enumerate(groups)))
+            for j, (g, task) in enumerate(groups))
         async with self._sealed_changed:  # batches seal in order: the sealed ones are always 1..m
             await self._sealed_changed.wait_for(lambda: self.sealed == k - 1)
         files = await _close_outputs(self.renderers, str(out_dir))

@@ -1,0 +1,166 @@
+"""``tito run`` as a real process on a real Ray with the SmolLM2 embedded engine, whose only engine actor is
+killed mid-run (issue 31): the run ends in one line with exit status 3, naming what happened and the exact
+``--resume`` command, after writing every finished group (sealed shards, readable, counted in the summary);
+that command then completes the run with no rollout twice. ``tito run --follow`` the same: one line, exit 3,
+every sealed batch intact and nothing unsealed left.
+
+Slow (whole runs, Ray start-ups): in ``make test-e2e``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rollout.data import load_samples, open_shards, read_step
+from rollout.follow import layout
+from rollout.shards import MANIFEST, SUMMARY, read_manifest
+
+from ._support import REPO, smollm2_gguf
+from .test_run_failfast import _no_session_left
+
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
+TASKS, G = 4, 2
+TITO = [sys.executable, "-m", "actors.cli"]
+pytestmark = pytest.mark.slow
+
+
+def _engine_pids(ray_dir: str) -> list[int]:
+    """The engine actor processes of the Ray session that has ``ray_dir`` as its temp dir: Ray's workers take
+    the environment of the run that started them (RAY_TMPDIR included), so no one else's are ever matched."""
+    mine = f"RAY_TMPDIR={ray_dir}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            if mine in environ and cmdline.startswith(b"ray::EngineActor"):
+                pids.append(int(entry))
+    return pids
+
+
+def _kill_engine_when(cmd: list[str], ray_dir: str, ready: re.Pattern) -> tuple[int, str]:
+    """Run ``cmd``; once a stderr line matches ``ready``, SIGKILL its engine actor (only that one) and return
+    (exit status, stderr)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(ENV, RAY_TMPDIR=ray_dir), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if ready.search(line):
+                pids = _engine_pids(ray_dir)
+                assert len(pids) == 1, f"one engine actor expected, found {pids}"
+                os.kill(pids[0], signal.SIGKILL)
+                break
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, "".join(seen) + err
+
+
+def _last_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return stderr.rstrip("\n").splitlines()[-1]
+
+
+def _batch_run(tmp: Path, ray_dir: str) -> None:
+    out = tmp / "out"
+    # one rollout at a time, in group order: once 4 are done, groups 1 and 2 are whole and the others still to
+    # run; no timed flush, so the finished groups reach disk because of the death
+    cmd = [*TITO, "run", "configs/demo.yaml", "--out", str(out), "--set", f"tasks.count={TASKS}",
+           "--set", f"group_size={G}", "--set", "max_concurrent_rollouts=1", "--set", "output.flush_interval_s=600",
+           "--set", "ray.num_cpus=2"]
+    rc, err = _kill_engine_when(cmd, ray_dir, re.compile(rf"rollouts [4-7]/{TASKS * G}"))
+    line = _last_line(err)
+    assert rc == 3, err[-3000:]
+    m = re.fullmatch(rf"tito run: the engine died: (\d+) finished groups \((\d+) rollouts\) written this run, \2 "
+                     rf"rollouts in all in {re.escape(str(out))}; (\d+) groups not run: `(.+)` runs them", line)
+    assert m, err[-3000:]
+    written, rollouts, not_run = int(m[1]), int(m[2]), int(m[3])
+    assert written >= 2 and written + not_run == TASKS and rollouts == written * G, line
+
+    rows = open_shards(out).to_table(columns=["rollout_id", "group_id", "segment_index"]).to_pylist()
+    per_group = Counter(r["group_id"] for r in rows if r["segment_index"] == 0)
+    assert len(per_group) == written and set(per_group.values()) == {G}, per_group  # whole groups only
+    assert read_manifest(out)["rows"] == len(rows)  # sealed: every file listed, with its checksum
+    assert len(load_samples(out)) == len(rows)
+    summary = json.loads((out / SUMMARY).read_text())["this_run"]
+    assert (summary["groups_written"], summary["groups_not_run"], summary["engines_died"]) == (
+        written, not_run, "the engine died")
+
+    resume = shlex.split(m[4])
+    assert resume[:2] == ["tito", "run"] and resume[-1] == "--resume", resume
+    done = subprocess.run([*TITO, *resume[1:]], cwd=REPO, env=dict(ENV, RAY_TMPDIR=ray_dir), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ids = [r["rollout_id"] for r in open_shards(out).to_table(columns=["rollout_id", "segment_index"]).to_pylist()
+           if r["segment_index"] == 0]
+    assert len(ids) == len(set(ids)) == TASKS * G, Counter(ids).most_common(3)
+    summary = json.loads((out / SUMMARY).read_text())
+    assert summary["rollouts"] == TASKS * G and summary["this_run"]["rollouts"] == TASKS * G - rollouts
+    assert (out / MANIFEST).exists()
+
+
+def _follow_run(tmp: Path, ray_dir: str) -> None:
+    tmp.mkdir()
+    config, run = tmp / "follow.yaml", tmp / "run"
+    # batches of one group, many admitted at once (no trainer publishes weights): batches are still running
+    # when the second one seals
+    config.write_text(yaml.safe_dump({
+        "env": {"name": "arithmetic", "options": {"difficulty": 1}}, "tasks": {"count": 5, "seed": 1},
+        "group_size": G, "max_turns": 1, "max_tokens_per_turn": 32, "max_tokens_per_rollout": 32,
+        "max_concurrent_rollouts": 2, "engine": {"options": {"threads": 1}},
+        "follow": {"groups_per_step": 1, "max_steps": 12, "max_off_policy_steps": 11},
+        "output": {"flush_interval_s": 600}, "ray": {"num_cpus": 2},
+    }))
+    cmd = [*TITO, "run", str(config), "--follow", str(run)]
+    rc, err = _kill_engine_when(cmd, ray_dir, re.compile(r"batch 2 sealed"))
+    line = _last_line(err)
+    assert rc == 3, err[-3000:]
+    m = re.fullmatch(rf"tito run --follow: the engine died: (\d+) batches sealed in {re.escape(str(run))}; once "
+                     rf"engines can run, `(.+)` goes on from the next batch", line)
+    assert m and shlex.split(m[2]) == ["tito", "run", str(config), "--follow", str(run)], err[-3000:]
+    sealed = int(m[1])
+    assert 2 <= sealed < 12
+    assert sorted(layout.step_dirs(run)) == list(range(1, sealed + 1))  # nothing unsealed left
+    for k in range(1, sealed + 1):
+        assert len(read_step(run, k, timeout=0).samples) == G  # sealed, checksums verified
+
+
+@pytest.fixture
+def ray_dirs():
+    """Private Ray temp dirs (RAY_TMPDIR, short: Ray's socket paths must fit 107 bytes), one per run: a run's
+    processes are found by it and by nothing else."""
+    dirs = [tempfile.mkdtemp(prefix="ted", dir="/tmp") for _ in range(2)]
+    yield dirs
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_every_engine_dead_writes_finished_work_ends_in_one_line_and_resume_completes(tmp_path, ray_dirs):
+    smollm2_gguf()
+    # side by side: Ray and model start-ups dominate
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(_batch_run, tmp_path / "batch", ray_dirs[0]),
+                pool.submit(_follow_run, tmp_path / "follow", ray_dirs[1])]
+        for r in runs:
+            r.result()
+    for d in ray_dirs:
+        assert _no_session_left(d) == [], "the runs' Ray processes must be gone"
