@@ -39,6 +39,25 @@ def _raise_exception(message: Any) -> None:
     raise _TemplateRaised(str(message))
 
 
+def _jinja2_int(value: Any, default: int = 0, base: int = 10) -> int:
+    """Jinja2's ``int`` filter: a number in ``base`` (a string in base 10 may be a float), else ``default``."""
+    try:
+        return int(value, base) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        try:
+            return int(float(value))
+        except (TypeError, ValueError, OverflowError):
+            return default
+
+
+def _jinja2_float(value: Any, default: float = 0.0) -> float:
+    """Jinja2's ``float`` filter: the number, else ``default``."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default
+
+
 class ChatTemplate:
     """One compiled chat template. ``now`` is the clock ``strftime_now`` reads: fixed when the template is
     loaded, so that every render within a run embeds the same date (transformers reads the clock per render)."""
@@ -51,7 +70,9 @@ class ChatTemplate:
             lstrip_blocks=True,
             pycompat=True,
             keep_trailing_newline=False,  # Jinja2's default, which transformers keeps
-            filters={"tojson": tojson},
+            # Jinja2's int / float give a default for text that is no number, where minijinja's raise
+            # (Mistral v2-v3 try ``content|int`` on every tool result)
+            filters={"tojson": tojson, "int": _jinja2_int, "float": _jinja2_float},
         )
         env.add_function("raise_exception", _raise_exception)
         env.add_function("strftime_now", self._strftime_now)
