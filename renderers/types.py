@@ -41,7 +41,9 @@ class ToolCallStatus(enum.StrEnum):
 
 class ToolCall(msgspec.Struct):
     """One tool call found in a completion. ``token_span`` is [start, end) in completion ids and
-    covers the call's markers; ``raw`` is the decoded text between the markers."""
+    covers the call's markers; ``raw`` is the decoded text between the markers. ``id``: the call id the
+    model wrote, where its dialect has one (Mistral's ``"id"`` field or ``[CALL_ID]``); a re-render of the
+    turn must carry it (Mistral's templates reject a call without its 9-character id)."""
 
     name: str | None
     arguments: dict[str, Any] | None
@@ -49,6 +51,7 @@ class ToolCall(msgspec.Struct):
     token_span: tuple[int, int]
     raw: str
     error: str | None = None
+    id: str | None = None
 
     def to_openai(self, call_id: str, arguments: str = "json") -> dict:
         """The OpenAI ``tool_calls`` entry; ``arguments="object"`` keeps the arguments a dict."""
@@ -90,7 +93,7 @@ class ParsedResponse(msgspec.Struct):
             message["reasoning_content"] = self.reasoning_content
         calls = [c for c in self.tool_calls if c.status is ToolCallStatus.OK]
         if calls:
-            message["tool_calls"] = [c.to_openai(f"call_{i}", arguments) for i, c in enumerate(calls)]
+            message["tool_calls"] = [c.to_openai(c.id or f"call_{i}", arguments) for i, c in enumerate(calls)]
         return message
 
 

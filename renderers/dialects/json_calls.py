@@ -32,7 +32,10 @@ def parse_json_call(raw: str, span: tuple[int, int], tool_names: set[str] | None
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, "no string 'name' field")
-    return checked_call(name, obj.get("arguments", obj.get("parameters", {})), span, raw, tool_names)
+    call = checked_call(name, obj.get("arguments", obj.get("parameters", {})), span, raw, tool_names)
+    if isinstance(obj.get("id"), str):  # Mistral v2-v7 write the call's id in the object
+        call.id = obj["id"]
+    return call
 
 
 def checked_call(name: str, args: Any, span: tuple[int, int], raw: str, tool_names: set[str] | None) -> ToolCall:

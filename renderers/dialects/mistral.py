@@ -81,9 +81,10 @@ class Mistral(Dialect):
         decode = self.tokenizer.decode
         if self.args_id is not None and self.args_id in body_ids:  # v11+: NAME[CALL_ID]ID[ARGS]{json}
             k = body_ids.index(self.args_id)
-            head = body_ids[:k]
+            head, call_id = body_ids[:k], None
             if self.call_id_id is not None and self.call_id_id in head:
-                head = head[: head.index(self.call_id_id)]
+                at = head.index(self.call_id_id)
+                head, call_id = head[:at], decode(head[at + 1 :]).strip() or None
             name, raw = decode(head).strip(), decode(body_ids[k + 1 :])
             if not name:
                 return [ToolCall(None, None, ToolCallStatus.MISSING_NAME, span, raw, f"no function name before {ARGS}")]
@@ -91,7 +92,9 @@ class Mistral(Dialect):
                 args = json.loads(raw)
             except (ValueError, RecursionError) as exc:
                 return [ToolCall(name, None, ToolCallStatus.INVALID_JSON, span, raw, f"arguments are not JSON: {exc}")]
-            return [checked_call(name, args, span, raw, offered.names)]
+            call = checked_call(name, args, span, raw, offered.names)
+            call.id = call_id  # v11's [CALL_ID]: a re-render of the turn writes it back
+            return [call]
         text = decode(body_ids).lstrip()
         if text.startswith(("[", "{")):  # v7 and older: a JSON array of calls
             return json_calls(decode, body_ids, span, offered.names)
