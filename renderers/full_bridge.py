@@ -20,7 +20,7 @@ A caller may also pass the history itself (``GenericRenderer.bridge(..., history
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Protocol
+from typing import Any, Protocol
 
 from .base import TemplateRejected
 from .messages import MessageError
@@ -32,6 +32,9 @@ class RendersWhole(Protocol):
     needs nothing of renderers/generic.py, which imports it)."""
 
     history_arguments: str
+    stop_token_ids: tuple[int, ...]
+    tokenizer: Any
+    probe: Any
 
     def parse_response(self, completion_ids: list[int], prompt_ids: list[int] | None = None,
                        tools: list[dict] | None = None) -> ParsedResponse: ...
@@ -43,6 +46,36 @@ def assistant_message(renderer: RendersWhole, completion: list[int], tools: list
     """The sampled turn as the message a re-render uses: parsed, tool-call arguments in the form the
     template renders in history."""
     return renderer.parse_response(completion, tools=tools).to_message(renderer.history_arguments)
+
+
+def as_sampled(renderer: RendersWhole, message: dict, completion: list[int]) -> dict | None:
+    """:func:`assistant_message`'s ``message`` with its text as sampled, where the parse stripped it (see
+    :func:`exact_text`); None where that is the same message."""
+    end = len(completion)
+    while end and completion[end - 1] in renderer.stop_token_ids:
+        end -= 1
+    text = renderer.tokenizer.decode(completion[:end])
+    # the template's own text around the reply: SentencePiece Mistral's space after [/INST], Llama 2's
+    # space before </s>
+    head, gap = renderer.probe.reply_head, renderer.probe.close_gap
+    if head and text.startswith(head):
+        text = text[len(head) :]
+    if gap and text.endswith(gap):
+        text = text[: len(text) - len(gap)]
+    exact = exact_text(message, text)
+    return None if exact is message else exact
+
+
+def exact_text(message: dict, sampled: str) -> dict:
+    """``message`` with the reply's text as sampled where the parse only stripped it: a parse strips the
+    text around a reply, and a template that renders it verbatim (Mistral's) renders other ids than the
+    model's from the stripped one. Only a plain reply (no calls, no reasoning, no markup) is ``sampled``
+    stripped."""
+    if "tool_calls" in message or "reasoning_content" in message:
+        return message
+    if sampled != message["content"] and sampled.strip() == message["content"]:
+        return {**message, "content": sampled}
+    return message
 
 
 def full_bridge(

@@ -13,12 +13,12 @@ from typing import Any
 
 from .base import TemplateRejected, bridged, empty_prompt_break
 from .dialects import dialect_for
-from .full_bridge import assistant_message, full_bridge
+from .full_bridge import as_sampled, assistant_message, full_bridge
 from .long_pieces import encode_pieces
 from .messages import MessageError, normalize_messages
 from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, closers, splice_point
 from .recipes import applies, fill, plain, sentinel, split_parts, split_segments, with_slots
-from .recover import recover_conversation
+from .recover import recover_conversations
 from .tracked import tracked
 from .types import Break, BreakReason, Bridged, RenderedTokens
 
@@ -121,8 +121,11 @@ class GenericBridge:
         else:
             history = self._conversations.recall(prompt, tools, tk, lambda ids: assistant_message(self, ids, tools))
         if history is None:
-            history = recover_conversation(self, prompt, tools)
-            if history is not None:
+            readings = recover_conversations(self, prompt, tools)
+            if len(readings) > 1:
+                return self._bridge_readings(prompt, completion, readings, msgs, tools, closing_ids, why)
+            if readings:
+                history = readings[0]
                 self._conversations.remember(prompt, history, tools, tk)
         if history is None:
             if splice_break is not None:
@@ -137,8 +140,39 @@ class GenericBridge:
                 "re-renders to them exactly (pass history=)",
                 prefix_len,
             )
+        return self._full(prompt, completion, history, assistant_message(self, completion, tools), msgs, tools,
+                          closing_ids, why)
+
+    def _full(self, prompt, completion, history, assistant, msgs, tools, closing_ids, why) -> Bridged | Break:
+        """The full-render bridge with the sampled turn as parsed, else with its text as sampled (a parse
+        strips it; renderers/full_bridge.py ``as_sampled``): either is checked on the sampled ids."""
+        result = full_bridge(self, prompt, completion, history, assistant, msgs, tools, closing_ids, why)
+        if isinstance(result, Break) and (exact := as_sampled(self, assistant, completion)) is not None:
+            retry = full_bridge(self, prompt, completion, history, exact, msgs, tools, closing_ids, why)
+            if isinstance(retry, Bridged):
+                return retry
+        return result
+
+    def _bridge_readings(self, prompt, completion, readings, msgs, tools, closing_ids, why) -> Bridged | Break:
+        """The full-render bridge where the previous prompt's ids re-render from several conversations
+        (renderers/recover.py): bridged only where every reading gives the same ids, since the ids
+        cannot tell which one the caller had. Nothing is remembered: a later bridge asks again."""
         assistant = assistant_message(self, completion, tools)
-        return full_bridge(self, prompt, completion, history, assistant, msgs, tools, closing_ids, why)
+        results = [self._full(prompt, completion, h, assistant, msgs, tools, closing_ids, why) for h in readings]
+        first = results[0]
+        if isinstance(first, Bridged) and all(
+            isinstance(r, Bridged) and r.appended.token_ids == first.appended.token_ids for r in results[1:]
+        ):
+            return first
+        if all(isinstance(r, Break) for r in results):
+            return first
+        return Break(
+            BreakReason.TEMPLATE_NOT_APPEND_ONLY,
+            f"the previous prompt's ids re-render exactly from {len(readings)} conversations (the template folds "
+            "a system prompt into a user turn as plain text) whose renders with the new messages differ, so the "
+            f"conversation behind them is unknown (pass history=); the probe found: {why.removeprefix('MOVES: ')}",
+            len(prompt) + len(completion),
+        )
 
     def _shape(self, completion: list[int]) -> tuple[tuple[str, ...], bool]:
         """What the sentinel histories take from the sampled turn: its tool calls' names (templates render
@@ -157,7 +191,8 @@ class GenericBridge:
         a template that refuses text next to reasoning and tool calls (gpt-oss) gets the anchor as the
         reasoning instead."""
         names, reasons = shape
-        calls = [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": {}}}
+        # ids of 9 alphanumerics, the form every template takes (renderers/probe.py)
+        calls = [{"id": f"call{i:05d}", "type": "function", "function": {"name": name, "arguments": {}}}
                  for i, name in enumerate(names)]
         extra: dict[str, Any] = {"tool_calls": calls} if calls else {}
         user = {"role": "user", "content": SENT_USER}

@@ -25,7 +25,9 @@ PROBE_TOOL = {
     "type": "function",
     "function": {"name": "probe_fn", "description": "probe", "parameters": {"type": "object", "properties": {}}},
 }
-PROBE_CALL = {"id": "call_0", "type": "function", "function": {"name": "probe_fn", "arguments": {}}}
+# The call id: 9 alphanumerics, the one form every template takes (Mistral's reject any other length).
+PROBE_CALL_ID = "call00000"
+PROBE_CALL = {"id": PROBE_CALL_ID, "type": "function", "function": {"name": "probe_fn", "arguments": {}}}
 # Context names transformers fills in itself, and the special tokens it passes.
 NOT_KWARGS = RESERVED | HELPERS | {"bos_token", "eos_token", "unk_token", "pad_token", "mask_token"}
 
@@ -56,6 +58,7 @@ class Probe:
     continuations: dict[str, str | None] = field(default_factory=dict)  # role -> None if append-only, else why not
     history_arguments: str = "object"  # "json" where the template renders tool-call arguments only as a string
     tools_in_tail: bool = True  # tool definitions change what follows an assistant turn (else the bridge omits them)
+    reply_head: str = ""  # template text after the generation prompt, before a reply's text (SentencePiece Mistral's " ")
 
 
 def template_kwargs(template: ChatTemplate) -> dict[str, type]:
@@ -128,6 +131,8 @@ def probe_template(template: ChatTemplate, added: re.Pattern | None, special: di
         if m is not None:
             probe.turn_close, probe.close_gap = m.group(), after[: m.start()]
             stops.append(m.group())
+        if with_prompt is not None and turn.startswith(with_prompt):
+            probe.reply_head = turn[len(with_prompt) : turn.index(SENT_ASSISTANT)]
     followed = _try(template, [user, reply, {"role": "user", "content": SENT_NEW}], None, False, special, kwargs)
     if followed is not None and added is not None and SENT_ASSISTANT in followed:
         after = followed[followed.rindex(SENT_ASSISTANT) + 1 :]
@@ -172,7 +177,8 @@ def _tools_in_tail(template: ChatTemplate, probe: Probe, special: dict, kwargs: 
     u = {"role": "user", "content": SENT_USER}
     for role in ("user", "tool", "system"):
         call = {"tool_calls": [PROBE_CALL]} if role == "tool" else {}
-        conversation = [u, {"role": "assistant", "content": SENT_ASSISTANT, **call}, {"role": role, "content": SENT_NEW}]
+        answer = {"tool_call_id": PROBE_CALL_ID} if role == "tool" else {}
+        conversation = [u, {"role": "assistant", "content": SENT_ASSISTANT, **call}, {"role": role, "content": SENT_NEW, **answer}]
         tails = []
         for tools in ([PROBE_TOOL], None):
             full = _try(template, conversation, tools, True, special, kwargs)
@@ -190,7 +196,9 @@ def _continuation(template: ChatTemplate, probe: Probe, role: str, special: dict
         return "no added token right after an assistant reply closes its turn, so a splice cannot be anchored on one"
     call = {"tool_calls": [PROBE_CALL]} if role == "tool" else {}
     tools = [PROBE_TOOL] if role == "tool" else None
-    new = {"role": role, "content": SENT_NEW}
+    new: dict[str, Any] = {"role": role, "content": SENT_NEW}
+    if role == "tool":  # the answer to the call (Mistral's templates reject a tool message without its id)
+        new["tool_call_id"] = PROBE_CALL_ID
     u = {"role": "user", "content": SENT_USER}
     histories = [
         [u, {"role": "assistant", "content": SENT_ASSISTANT, **call}],
@@ -205,7 +213,7 @@ def _continuation(template: ChatTemplate, probe: Probe, role: str, special: dict
             {"role": "system", "content": SENT_SYSTEM},
             u,
             {"role": "assistant", "content": SENT_USER, "reasoning_content": SENT_USER, "tool_calls": [PROBE_CALL]},
-            {"role": "tool", "content": SENT_TOOL},
+            {"role": "tool", "content": SENT_TOOL, "tool_call_id": PROBE_CALL_ID},
             {"role": "assistant", "content": SENT_USER + SENT_ASSISTANT},
             u,
             {"role": "assistant", "content": SENT_ASSISTANT, **call},

@@ -27,11 +27,12 @@ behind a prompt is not remembered; the renderer remembers what it recovered.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Protocol
 
 from .base import TemplateRejected
-from .full_bridge import RendersWhole
+from .full_bridge import RendersWhole, exact_text
 from .messages import MessageError
 from .probe import SENT_NEW, Probe, closers
 from .tokenizer import Tokenizer
@@ -58,26 +59,51 @@ _MAX_RENDERS = 400  # the walk gives up after this many template renders (a prom
 
 def recover_conversation(renderer: Recovers, prompt: list[int], tools: list[dict] | None) -> list[dict] | None:
     """The messages ``prompt`` (a render with the generation prompt) was rendered from with ``tools``, as
-    proven by re-rendering them to exactly ``prompt``; None where none is found."""
+    proven by re-rendering them to exactly ``prompt``; None where none is found. Where several readings
+    are proven (see :func:`recover_conversations`), the first."""
+    readings = recover_conversations(renderer, prompt, tools)
+    return readings[0] if readings else None
+
+
+def recover_conversations(renderer: Recovers, prompt: list[int], tools: list[dict] | None) -> list[list[dict]]:
+    """Every reading of ``prompt`` that re-renders to it exactly, among the variants of the first role
+    sequence that has one (step 2's: as found, without its system message, with one added); empty where
+    none is found.
+
+    More than one where the template folds a system prompt into a user turn with plain text around it:
+    Mistral v2/v3 render ``[INST]`` + system + ``\n\n`` + user text, so a user text holding ``\n\n``
+    reads as either. The readings may render the next turn differently (a system prompt moves to the
+    new last user message, a user text does not): the bridge then breaks rather than guess."""
     prompt = list(prompt)  # a tuple or an array compares unlike a list
     probe = renderer.probe
-    gp = probe.generation_prompt
-    if not prompt or not gp or probe.history_close is None:
-        return None
+    # An empty generation prompt is no obstacle: in [INST] templates (Mistral v1-v3, Llama 2) the user
+    # turn's closing token opens the assistant turn, and they are the ones that move a system prompt.
+    gp = probe.generation_prompt or ""
+    if not prompt or not (probe.stop_tokens or probe.history_close):
+        return []
     text = renderer.tokenizer.decode(prompt)
     if _SENTINELS.search(text) or _SENTINEL in text or SENT_NEW in text:
-        return None
+        return []
     # (DeepSeek V3 appends no generation prompt after tool outputs)
     walk = _Walk(renderer, text, len(text) - len(gp) if text.endswith(gp) else len(text), tools)
     for messages in walk.conversations():
+        proven: list[list[dict]] = []
         for conversation in _fits(renderer, messages, tools, text):
             try:
                 ids = renderer._render_tokens(conversation, tools, True).token_ids
             except (TemplateRejected, MessageError):
                 continue
-            if ids == prompt:
-                return conversation
-    return None
+            if ids != prompt and (unescaped := _unescaped(conversation)) is not None:
+                conversation = unescaped  # a template that writes a text inside a JSON string (Mistral's tool results)
+                try:
+                    ids = renderer._render_tokens(conversation, tools, True).token_ids
+                except (TemplateRejected, MessageError):
+                    continue
+            if ids == prompt and conversation not in proven:
+                proven.append(conversation)
+        if proven:
+            return proven
+    return []
 
 
 class _Walk:
@@ -121,7 +147,9 @@ class _Walk:
             yield [*msgs, {"role": "user", "content": ""}]
 
     def _step(self, msgs: list[dict], role: str) -> tuple[dict, int] | None:
-        """The next message if it has ``role``, and where the walk goes on in the text.
+        """The next message if it has ``role``, and where the walk goes on in the text: rendered with a
+        message after it, else (an assistant turn) alone, for a template that moves its tool list next
+        to the last user message (Mistral v2-v11), which the follower would be.
 
         The message's text ends where the template's text after it does: its literal text up to the
         first added token, and that token (Qwen's ``\n</tool_response>``, Llama's ``<|eot_id|>``,
@@ -131,8 +159,15 @@ class _Walk:
         if role == "tool":
             candidate.update(_answered_call(msgs))
         follower = {"role": "user" if role in ("assistant", "system") else "assistant", "content": SENT_NEW}
+        step = self._step_with(msgs, candidate, [follower])
+        if step is None and role == "assistant" and self.tools is not None:
+            step = self._step_with(msgs, candidate, [])
+        return step
+
+    def _step_with(self, msgs: list[dict], candidate: dict, after: list[dict]) -> tuple[dict, int] | None:
+        role = candidate["role"]
         self.renders += 1
-        rendered = self.r._try_text([*msgs, candidate, follower], self.tools, False)
+        rendered = self.r._try_text([*msgs, candidate, *after], self.tools, False)
         if rendered is None or rendered.count(_SENTINEL) != 1:
             return None
         at = rendered.index(_SENTINEL)
@@ -140,18 +175,48 @@ class _Walk:
             return None
         marker = self.r._added_re.search(rendered, at) if self.r._added_re is not None else None
         if marker is None or SENT_NEW in rendered[at : marker.start()]:
-            return None
-        delimiter = rendered[at + 1 : marker.end()]
-        stop = self.text.find(delimiter, at, self.end + len(delimiter))
-        if stop < 0:
-            return None
-        closes = self.closing.fullmatch(marker.group()) is not None
-        nxt = stop + len(delimiter) if closes else stop + len(delimiter) - len(marker.group())
+            # No added token ends the message's text (Llama 2's ``[INST] ... [/INST]`` on a vocabulary
+            # without them): the template's literal text up to the next message's does.
+            delimiter = rendered[at + 1 : rendered.find(SENT_NEW, at)]
+            stop = self.text.find(delimiter, at, self.end) if delimiter.strip() else -1
+            if stop < 0:
+                return None
+            closes, nxt = False, stop
+        else:
+            delimiter = rendered[at + 1 : marker.end()]
+            stop = self.text.find(delimiter, at, self.end + len(delimiter))
+            if stop < 0:
+                return None
+            closes = self.closing.fullmatch(marker.group()) is not None
+            nxt = stop + len(delimiter) if closes else stop + len(delimiter) - len(marker.group())
         body = self.text[at:stop]
         if role != "assistant":
+            if rendered[at - 1 : at] == '"' and delimiter.startswith('"'):  # inside a JSON string (Mistral's tool results)
+                try:
+                    body = json.loads(f'"{body}"')
+                except ValueError:
+                    return None
             return {**candidate, "content": body}, nxt
-        ids = self.r.tokenizer.encode(body + (marker.group() if closes else ""))
-        return self.r.parse_response(ids, tools=self.parse_tools).to_message(self.r.history_arguments), nxt
+        ids = self.r.tokenizer.encode(body + (marker.group() if closes and marker is not None else ""))
+        message = self.r.parse_response(ids, tools=self.parse_tools).to_message(self.r.history_arguments)
+        return exact_text(message, body), nxt
+
+
+def _unescaped(conversation: list[dict]) -> list[dict] | None:
+    """The conversation with every non-assistant text read as the inside of a JSON string, where that
+    changes one; None where none changes."""
+    out, changed = [], False
+    for m in conversation:
+        content = m.get("content")
+        if m["role"] != "assistant" and isinstance(content, str) and "\\" in content:
+            try:
+                decoded = json.loads(f'"{content}"')
+            except ValueError:
+                decoded = content
+            if decoded != content:
+                m, changed = {**m, "content": decoded}, True
+        out.append(m)
+    return out if changed else None
 
 
 def _next_roles(msgs: list[dict]) -> tuple[str, ...]:
@@ -175,7 +240,7 @@ def _answered_call(msgs: list[dict]) -> dict:
         calls = (m.get("tool_calls") or []) if m["role"] == "assistant" else []
         if answered < len(calls):
             call = calls[answered]
-            return {"tool_call_id": call.get("id") or f"call_{answered}", "name": call["function"]["name"]}
+            return {"tool_call_id": call.get("id") or f"call{answered:05d}", "name": call["function"]["name"]}
         break
     return {}
 

@@ -260,14 +260,14 @@ def test_the_renderer_service_bridges_with_the_history_it_holds() -> None:
     svc.renderer.bridge = lambda *a, **kw: seen.append((kw["history"], list(kw["history"]))) or bridge(*a, **kw)
     import tito_renderers.generic_bridge as generic_bridge
 
-    recover, generic_bridge.recover_conversation = generic_bridge.recover_conversation, lambda *a: None
+    recover, generic_bridge.recover_conversations = generic_bridge.recover_conversations, lambda *a: []
     try:
         completion = sampled_completion(svc.renderer, prompt, family.reference_ids(messages[: k + 1], TOOLS))
         svc.record_turn("r0", SampledTurn(0, completion, None, 0, messages[k]))
         nxt = svc.bridge_next("r0", messages[k + 1 : k + 2], 1)
         kind, ids, brk = nxt.kind, nxt.ids, nxt.brk
     finally:
-        generic_bridge.recover_conversation = recover
+        generic_bridge.recover_conversations = recover
     assert (kind, brk) == ("append", None)
     assert prompt + completion + ids == family.reference_ids(messages[: k + 2], TOOLS, agp=True)
     ((view, history),) = seen
