@@ -74,15 +74,17 @@ class RolloutOutcome(msgspec.Struct):
     withheld: str | None = None  # why its rows were not written (follow mode: too stale); its reward still counts
 
 
-async def settled(coros: Iterable[Awaitable[T]]) -> list[T]:
-    """``asyncio.gather`` that lets every awaitable end before raising the first failure. A plain gather raises
-    at once and leaves the others running unawaited: a group whose rollouts all finished could then be cut off
-    by the run's end before its rows reach a renderer, and their own failures are logged as never retrieved."""
-    results = await asyncio.gather(*coros, return_exceptions=True)
-    failed = next((r for r in results if isinstance(r, BaseException)), None)
-    if failed is not None:
-        raise failed
-    return results  # type: ignore[return-value]
+async def gather_settling(coros: Iterable[Awaitable[T]]) -> list[T]:
+    """``asyncio.gather``, except that once every engine died the others are let end before it raises: each
+    fails at once (no engine is left) or hands its finished group to a renderer, where a plain gather would
+    leave it to be cut off by the run's end. Any other failure raises at once, as before (a full disk: nothing
+    more can be written, so nothing more is run)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except AllEnginesDied:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def is_actor_death(exc: BaseException) -> bool:
@@ -128,7 +130,7 @@ class RolloutDriver:
     # ---- groups ----------------------------------------------------------------------------------
 
     async def run(self, tasks: list[Task]) -> list[RolloutOutcome]:
-        groups = await settled(self.run_group(task, gi) for gi, task in enumerate(tasks))
+        groups = await gather_settling(self.run_group(task, gi) for gi, task in enumerate(tasks))
         return [o for group in groups for o in group]
 
     async def run_group(self, task: Task, group_index: int, *, group_id: str | None = None,
@@ -139,7 +141,7 @@ class RolloutDriver:
         withheld (``withheld`` says why; no row is written) but its reward still counts in the baseline."""
         group_id = group_id or f"{task.task_id}"
         renderer = self.renderers[group_index % len(self.renderers)]
-        outcomes = await settled(
+        outcomes = await gather_settling(
             self._run_with_retries(task, group_id, f"{group_id}#{k}", renderer) for k in range(self.cfg.group_size))
         self._advantages(outcomes)
         s = self.cfg.sampling

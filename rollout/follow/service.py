@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 from ..config import RunConfig
 from ..envs.base import Task
 from ..handles import EngineHandle, RendererHandle
-from ..loop import AllEnginesDied, RolloutDriver, RolloutOutcome, is_actor_death, settled
+from ..loop import AllEnginesDied, RolloutDriver, RolloutOutcome, gather_settling, is_actor_death
 from ..outputs import rollout_totals
 from ..shards import (
     CHECKSUM,
@@ -303,7 +303,7 @@ class FollowService:
         need = min_version(k, self.follow.max_off_policy_steps)
         admitted_at = self.weights.version
         groups = self.pool.draw(k, self.follow.groups_per_step)
-        outcomes = await settled(
+        outcomes = await gather_settling(
             self.driver.run_group(task, g, group_id=f"{task.task_id}@{k}.{j}", out_dir=str(out_dir), min_version=need)
             for j, (g, task) in enumerate(groups))
         async with self._sealed_changed:  # batches seal in order: the sealed ones are always 1..m
