@@ -8,9 +8,12 @@ back from the prompt's text, using only what rendering the template itself shows
 1. Roles, in order (``_walk``): from the start of the text, try each role as the next message with a
    sentinel text and see where the template puts it. The text before the sentinel must be what the
    prompt holds there, and the message's text runs up to the template's own text after the sentinel,
-   through its turn-closing token. An assistant turn's text is parsed as a completion (reasoning,
-   tool calls, the dialect's scan), the others kept as they stand. The walk renders without tool
-   definitions, then without them (a template may move them next to the last user message, which
+   through its turn-closing token (or, where no added token follows, up to its literal text: Llama 2's
+   `` [/INST]`` on a vocabulary without it). An assistant turn's text is parsed as a completion
+   (reasoning, tool calls, the dialect's scan), the others kept as they stand (a text the template
+   writes inside a JSON string, Mistral's tool results, is unescaped). The generation prompt may be
+   empty: ``[INST]`` templates (Mistral v1-v3, Llama 2) open the assistant turn with the user turn's
+   close. The walk renders with tool definitions, then without them (a template may move them next to the last user message, which
    the walk cannot know is the last), so a message's text may still hold what the template moved
    into it (a tool list, a system prompt); step 2 takes that apart.
 2. Texts (``_fit``): the walk's conversation rendered once more, with the tools and with every
@@ -20,6 +23,8 @@ back from the prompt's text, using only what rendering the template itself shows
    of its own) or added (a system prompt the template moved).
 3. Proof: the recovered conversation is rendered to ids, and used only if they equal the prompt's ids
    token for token. A wrong recovery is therefore never used: the bridge then breaks, saying so.
+   Where several readings are proven (a system prompt folded into a user text as plain text), the
+   bridge uses them only if they all bridge to the same ids (renderers/generic_bridge.py).
 
 The cost is a few template renders per message and one regex match, paid only where the conversation
 behind a prompt is not remembered; the renderer remembers what it recovered.
