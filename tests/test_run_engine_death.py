@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -54,9 +55,10 @@ def _engine_pids(ray_dir: str) -> list[int]:
     return pids
 
 
-def _kill_engine_when(cmd: list[str], ray_dir: str, ready: re.Pattern) -> tuple[int, str]:
-    """Run ``cmd``; once a stderr line matches ``ready``, SIGKILL its engine actor (only that one) and return
-    (exit status, stderr)."""
+def _kill_engine_when(cmd: list[str], ray_dir: str, ready: re.Pattern,
+                      then: Callable[[], object] = lambda: None) -> tuple[int, str]:
+    """Run ``cmd``; once a stderr line matches ``ready``, SIGKILL its engine actor (only that one), call
+    ``then`` and return (exit status, stderr)."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=dict(ENV, RAY_TMPDIR=ray_dir), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     seen = []
@@ -67,6 +69,7 @@ def _kill_engine_when(cmd: list[str], ray_dir: str, ready: re.Pattern) -> tuple[
                 pids = _engine_pids(ray_dir)
                 assert len(pids) == 1, f"one engine actor expected, found {pids}"
                 os.kill(pids[0], signal.SIGKILL)
+                then()
                 break
         _, err = proc.communicate(timeout=180)
     finally:
@@ -144,11 +147,36 @@ def _follow_run(tmp: Path, ray_dir: str) -> None:
         assert len(read_step(run, k, timeout=0).samples) == G  # sealed, checksums verified
 
 
+def _follow_idle_run(tmp: Path, ray_dir: str) -> None:
+    """The engine dies while the service idles at the bound, waiting for a trainer: the trainer's next
+    checkpoint finds no engine to load it into, and the service ends as above instead of waiting for ever."""
+    from rollout.follow.publish import publish_weights
+    from rollout.models import load_causal_lm, resolve_model
+
+    tmp.mkdir()
+    config, run = tmp / "follow.yaml", tmp / "run"
+    config.write_text(yaml.safe_dump({
+        "env": {"name": "arithmetic", "options": {"difficulty": 1}}, "tasks": {"count": 2, "seed": 1},
+        "group_size": G, "max_turns": 1, "max_tokens_per_turn": 8, "max_tokens_per_rollout": 8,
+        "engine": {"options": {"threads": 1}}, "ray": {"num_cpus": 2},
+        "follow": {"groups_per_step": 1, "max_steps": 3, "max_off_policy_steps": 0, "poll_interval_s": 0.2},
+    }))
+    model = load_causal_lm(str(resolve_model("smollm2-135m")))  # the trainer's next weights: a valid checkpoint (version 1)
+    cmd = [*TITO, "run", str(config), "--follow", str(run)]
+    rc, err = _kill_engine_when(cmd, ray_dir, re.compile(r"batch 1 sealed"),
+                                then=lambda: publish_weights(run, 1, model))
+    line = _last_line(err)
+    assert rc == 3, err[-3000:]
+    assert re.fullmatch(rf"tito run --follow: the engine died: 1 batches sealed in {re.escape(str(run))}; .+",
+                        line), err[-3000:]
+    assert sorted(layout.step_dirs(run)) == [1] and len(read_step(run, 1, timeout=0).samples) == G
+
+
 @pytest.fixture
 def ray_dirs():
     """Private Ray temp dirs (RAY_TMPDIR, short: Ray's socket paths must fit 107 bytes), one per run: a run's
     processes are found by it and by nothing else."""
-    dirs = [tempfile.mkdtemp(prefix="ted", dir="/tmp") for _ in range(2)]
+    dirs = [tempfile.mkdtemp(prefix="ted", dir="/tmp") for _ in range(3)]
     yield dirs
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
@@ -157,9 +185,10 @@ def ray_dirs():
 def test_every_engine_dead_writes_finished_work_ends_in_one_line_and_resume_completes(tmp_path, ray_dirs):
     smollm2_gguf()
     # side by side: Ray and model start-ups dominate
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
         runs = [pool.submit(_batch_run, tmp_path / "batch", ray_dirs[0]),
-                pool.submit(_follow_run, tmp_path / "follow", ray_dirs[1])]
+                pool.submit(_follow_run, tmp_path / "follow", ray_dirs[1]),
+                pool.submit(_follow_idle_run, tmp_path / "idle", ray_dirs[2])]
         for r in runs:
             r.result()
     for d in ray_dirs:

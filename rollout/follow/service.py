@@ -131,6 +131,15 @@ class WeightFollower:
                     return n
         return None
 
+    def _live(self) -> list[int]:
+        """The engines still alive; none: :class:`AllEnginesDied` (a service waiting on a trainer would otherwise
+        wait for ever on engines that can no longer load anything)."""
+        live = self.holder.router.alive()
+        if not live:
+            n = len(self.engines)
+            raise AllEnginesDied("the engine died" if n == 1 else f"all {n} engines died")
+        return live
+
     async def poll_once(self) -> bool:
         """Load the newest new version if there is one; True when the engines changed version."""
         n = self.newest()
@@ -145,16 +154,19 @@ class WeightFollower:
         path = layout.broadcast_dir(self.run_dir, n)
         stable_mtime = (path / layout.STABLE).stat().st_mtime
         seen = time.time()
-        live = self.holder.router.alive()  # an engine that died is out of routing: nothing to load into it
-        if not live:
-            return False
         t0 = time.perf_counter()
-        try:  # before anything pauses: a bad checkpoint must not cost the running rollouts anything
-            await self.engines[live[0]].validate_weights(str(path))
-        except Exception as exc:  # noqa: BLE001 - any refusal: named, logged once, the run goes on
-            self.refused[n] = stable_mtime
-            self.log(f"weights {path} refused: {exc}; the engines stay on version {self.version}")
-            return False
+        while True:  # before anything pauses: a bad checkpoint must not cost the running rollouts anything
+            live = self._live()  # an engine that died is out of routing: nothing to load into it
+            try:
+                await self.engines[live[0]].validate_weights(str(path))
+                break
+            except Exception as exc:  # noqa: BLE001 - any refusal: named, logged once, the run goes on
+                if is_actor_death(exc):  # the validating engine died (maybe while the service idled): the next
+                    self.holder.router.drop_engine(live[0])
+                    continue
+                self.refused[n] = stable_mtime
+                self.log(f"weights {path} refused: {exc}; the engines stay on version {self.version}")
+                return False
         t1 = time.perf_counter()
         try:
             aborted = await self.holder.hold_for_update(self.inflight)  # type: ignore[arg-type]
@@ -173,6 +185,7 @@ class WeightFollower:
                     self.holder.router.drop_engine(i)
                 else:
                     failed.append(r)
+        self._live()  # every engine died during the load: the service ends (AllEnginesDied), nothing to wait for
         if failed:
             # validated yet refused by an engine: those that loaded it stamp version n, the others keep theirs,
             # and each token records the version that sampled it, so the sealing check still holds
@@ -248,8 +261,9 @@ class FollowService:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     if t.exception() is not None:
-                        if isinstance(t.exception(), AllEnginesDied) and t in self._batches:
-                            await self._seal_sampled(self._batches[:self._batches.index(t)])
+                        if isinstance(t.exception(), AllEnginesDied):  # (found by a batch, or by a weight load)
+                            before = self._batches.index(t) if t in self._batches else len(self._batches)
+                            await self._seal_sampled(self._batches[:before])
                         raise t.exception()
         finally:
             for t in (watcher, admitter, *self._batches):
