@@ -89,6 +89,17 @@ def recover_conversations(renderer: Recovers, prompt: list[int], tools: list[dic
     text = renderer.tokenizer.decode(prompt)
     if _SENTINELS.search(text) or _SENTINEL in text or SENT_NEW in text:
         return []
+    # A SentencePiece tokenizer that puts its dummy prefix on every run between added tokens decodes to
+    # a text with one space too many after each added token: the runs' own text is a second reading.
+    runs = renderer.tokenizer.decode_runs(prompt)
+    for candidate in (text, runs) if runs != text else (text,):
+        proven = _recover(renderer, prompt, candidate, gp, tools)
+        if proven:
+            return proven
+    return []
+
+
+def _recover(renderer: Recovers, prompt: list[int], text: str, gp: str, tools: list[dict] | None) -> list[list[dict]]:
     # (DeepSeek V3 appends no generation prompt after tool outputs)
     walk = _Walk(renderer, text, len(text) - len(gp) if text.endswith(gp) else len(text), tools)
     for messages in walk.conversations():

@@ -179,6 +179,25 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_runs(self, ids: list[int]) -> str:
+        """``ids`` decoded one run between added tokens at a time, the added tokens kept. Equal to
+        :meth:`decode` except where the decoder takes off a prefix the encoder puts on each run: a
+        SentencePiece tokenizer whose dummy prefix ("▁") starts every text between added tokens
+        (Mistral's and Llama 2's ``legacy`` tokenizers) reads ``[INST]▁▁What`` as ``[INST]  What`` in
+        one decode, the text of other ids than these; run by run it reads ``[INST] What``."""
+        out, run = [], []
+        for i in ids:
+            if i in self.special_ids:
+                if run:
+                    out.append(self.backend.decode(run, skip_special_tokens=False))
+                    run = []
+                out.append(self.backend.decode([i], skip_special_tokens=False))
+            else:
+                run.append(i)
+        if run:
+            out.append(self.backend.decode(run, skip_special_tokens=False))
+        return "".join(out)
+
     def __repr__(self) -> str:
         return f"Tokenizer({self.name_or_path!r}, vocab={self.vocab_size}, template={self.template_sha256 and self.template_sha256[:16]})"
 
