@@ -6,7 +6,8 @@ For every template of the corpus (fixtures, mistral-common's generated templates
 Llama-2-style ``[INST]`` templates and mechanical mutations), ``--n`` seeded conversations are bridged turn
 by turn from transformers' ids on a fresh renderer with no history. ``--renderers DIR`` measures another
 checkout's renderers/ (the "before" figures: ``git worktree add /tmp/base <commit>``, then
-``--renderers /tmp/base/renderers``). Prints a markdown table; exit 1 on any needless break or wrong bridge.
+``--renderers /tmp/base/renderers``). Prints a markdown table; exit 1 on any needless break, wrong bridge
+or render unequal to transformers' (``unequal``: parity of the renderer's own render).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def main() -> int:
         _use_renderers(args.renderers)
     from tests.bridge_gaps import NotApplicable, corpus, measure
 
-    print("| template | turns | append-stable | breaks | needless | wrong | drift | exact | s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| template | turns | append-stable | breaks | needless | wrong | drift | exact | unequal | s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     bad = 0
     examples: list = []
     for entry in corpus():
@@ -53,9 +54,9 @@ def main() -> int:
             c = measure(entry, args.seed, args.n, examples)
         except NotApplicable:
             continue
-        bad += c["needless"] + c["wrong"]
+        bad += c["needless"] + c["wrong"] + c["unequal"]
         print(f"| {entry.id} | {c['turns']} | {c['stable']} | {c['breaks']} | {c['needless']} | {c['wrong']} | "
-              f"{c['drift']} | {c['exact']} | {time.perf_counter() - start:.1f} |", flush=True)
+              f"{c['drift']} | {c['exact']} | {c['unequal']} | {time.perf_counter() - start:.1f} |", flush=True)
     for example in examples[:20]:
         print("needless/wrong:", example, file=sys.stderr)
     return 1 if bad else 0

@@ -13,6 +13,7 @@ Counted per template (:func:`measure`):
 - ``needless``: a Break where transformers' render of the conversation with the new messages *is*
   an append-only extension of previous prompt + completion (the turn could have been bridged);
 - ``wrong``: a bridge where that render is append-only and the bridged ids differ from it;
+- ``unequal``: the renderer's own render of that conversation differs from transformers' (parity);
 - ``drift``: a bridge where it is not (the template rewrites the previous prompt or the sampled turn):
   the generic renderer keeps the sampled prefix only on its splice path, for a template the probe
   found append-only; where the probe found it not append-only the turn must Break.
@@ -169,8 +170,9 @@ def _in_literal(source: str, at: int) -> bool:
 
 @dataclass(frozen=True)
 class Entry:
-    """One template under test: ``tokenizer`` is a fixture name or ``reconstructed:NAME``
-    (tests/reconstructed.py, a real base vocabulary with the family's added tokens)."""
+    """One template under test: ``tokenizer`` is a fixture name, ``reconstructed:NAME``
+    (tests/reconstructed.py, a real base vocabulary with the family's added tokens) or ``shipped:NAME``
+    (tests/shipped_mistral.py, a tokenizer file mistral-common ships, converted)."""
 
     id: str
     tokenizer: str
@@ -206,6 +208,10 @@ def _tokenizers(name: str):
         from .reconstructed import load
 
         return load(name.removeprefix("reconstructed:"))
+    if name.startswith("shipped:"):
+        from .shipped_mistral import load
+
+        return load(name.removeprefix("shipped:"))
     return ours(name), reference(name)
 
 
@@ -244,6 +250,7 @@ def corpus(mutate: bool = True) -> list[Entry]:
     for name, config in mistral_configs():
         tok = TEKKEN_THINK if config["version"] in ("v13", "v15") else TEKKEN
         entries.append(Entry(name, tok, functools.partial(mistral_template, **config), kind="mistral", string_args=True))
+    entries += shipped_entries()
     entries.append(Entry("llama-2", TEKKEN, lambda: LLAMA2, kind="llama2"))
     entries.append(Entry("llama-2-on-llama-3-vocab", "llama-3.1-8b-instruct", lambda: LLAMA2, kind="llama2"))
     if mutate:
@@ -254,6 +261,21 @@ def corpus(mutate: bool = True) -> list[Entry]:
                 entries.append(Entry(f"{base.id}+{label}", base.tokenizer, functools.partial(_mutated, base, mutation),
                                      kind="mutated", string_args=base.string_args))
     return entries
+
+
+def shipped_entries() -> list[Entry]:
+    """mistral-common's template of each version on the shipped tokenizer files of that version (``NAME@FILE``):
+    SentencePiece templates (``spm=True``) on the v1/v2/v3/v7 .model files, Tekken ones on the two v3 Tekken
+    files. No v7+ Tekken file ships with mistral-common 1.12: v7-v15 Tekken stay on the reconstructed one."""
+    from .shipped_mistral import FILES
+
+    out = []
+    for name, config in mistral_configs():
+        for short, (_, kind, version) in FILES.items():
+            if version == config["version"] and (kind == "spm") == config["spm"]:
+                out.append(Entry(f"{name}@{short}", f"shipped:{short}", functools.partial(mistral_template, **config),
+                                 kind="mistral", string_args=True))
+    return out
 
 
 def _mutated(base: Entry, mutation: Callable[[str, list[str]], str | None]) -> str:
@@ -394,8 +416,18 @@ def measure(entry: Entry, seed: int, n: int, examples: list | None = None) -> di
     """Bridge every case of ``conversations(seed, n)`` from ids alone on a fresh renderer; the counts (see
     the module docstring)."""
     convs = conversations(seed, n, entry.string_args)
-    c = {"turns": 0, "stable": 0, "breaks": 0, "needless": 0, "exact": 0, "wrong": 0, "drift": 0, "skipped": 0}
+    c = {"turns": 0, "stable": 0, "breaks": 0, "needless": 0, "exact": 0, "wrong": 0, "drift": 0, "skipped": 0,
+         "unequal": 0}
     for case in cases(entry, convs, c):
+        # parity first: the renderer's render of the conversation through the new messages
+        try:
+            mine = entry.renderer().render_ids(case.messages[: case.k + 1 + len(case.new)], case.tools, True)
+        except ValueError:
+            mine = None
+        if mine != case.expected:
+            c["unequal"] += 1
+            if examples is not None:
+                examples.append((entry.id, case.k, "render differs from transformers", ""))
         result = entry.renderer().bridge(case.prompt, case.completion, case.new, case.tools)
         c["turns"] += 1
         c["stable"] += case.stable

@@ -18,6 +18,8 @@ SAMPLE = [
     "mistral-v1", "mistral-v2", "mistral-v3", "mistral-v7", "mistral-v11", "mistral-v13-think", "mistral-v7-spm",
     "llama-2", "llama-2-on-llama-3-vocab", "mistral-v3+nl-after-markers", "mistral-v1+system-at-last",
     "llama-2+system-at-last", "llama-3.1+no-gp", "llama-3.1",
+    # mistral-common's own shipped tokenizer files (tests/shipped_mistral.py)
+    "mistral-v2-spm@spm-v2", "mistral-v7-spm@spm-v7", "mistral-v3@tekken-240718",
 ]
 
 
@@ -27,7 +29,7 @@ def test_no_needless_break_nor_wrong_bridge_from_ids_alone(entry_id: str) -> Non
     completion; every bridge equals that render; no bridge where it does not (a drift)."""
     c = measure(CORPUS[entry_id], seed=11, n=3)
     print(entry_id, c)
-    assert c["needless"] == 0 and c["wrong"] == 0 and c["drift"] == 0, c
+    assert c["needless"] == 0 and c["wrong"] == 0 and c["drift"] == 0 and c["unequal"] == 0, c
     assert c["exact"] >= 1, c
 
 
@@ -43,10 +45,12 @@ def _turn(entry: Entry, history: list[dict], reply: dict, tools=None) -> tuple[l
     return prompt, full[len(prompt):]
 
 
-@pytest.mark.parametrize("entry_id", ["mistral-v3", "mistral-v2", "llama-2"])
+@pytest.mark.parametrize("entry_id", ["mistral-v3", "mistral-v2", "llama-2", "mistral-v3-spm@spm-v3"])
 def test_the_simplest_turn_bridges_from_ids(entry_id: str) -> None:
     """Issue 32's case: user "What is 2+2?" -> "4</s>" -> user "And 3+3?" on a template whose generation
-    prompt is empty (with tools, Mistral v2/v3 move the tool list: see the next test)."""
+    prompt is empty (with tools, Mistral v2/v3 move the tool list: see the next test). On Mistral's
+    SentencePiece v3 file the prompt's ids decode to ``[INST]  What`` (the dummy prefix of the run after
+    ``[INST]``): recovery reads the runs between added tokens instead."""
     entry = CORPUS[entry_id]
     user, reply, new = ({"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
                         {"role": "user", "content": "And 3+3?"})
@@ -121,3 +125,13 @@ def test_int_and_float_filters_default_as_jinja2() -> None:
 
     assert ours == jinja2.Environment().from_string(source).render(messages=msgs)
     assert renderers  # (the package import is what the test exercises)
+
+
+@pytest.mark.parametrize("name", ["spm-v3", "tekken-240718"])
+def test_a_converted_shipped_tokenizer_encodes_as_mistral_common(name: str) -> None:
+    """The HF tokenizer converted from mistral-common's shipped file encodes varied texts (unicode,
+    whitespace runs, digits, code) exactly as mistral-common's own tokenizer, and its control tokens have
+    the same ids (scripts/measure_bridge_gaps.py --verify checks every file on more texts)."""
+    from .shipped_mistral import mismatches, texts
+
+    assert mismatches(name, texts(150, seed=3)) == []
