@@ -17,6 +17,9 @@ in rollout/engines; this module only places it on Ray.
 * A bad request raises :class:`~rollout.engines.protocol.EngineError` inside the actor; Ray re-raises it on the
   caller as an exception that is an instance of ``EngineError`` (and of ``ray.exceptions.RayTaskError``), and
   the actor keeps serving.
+* A backend that raises :class:`~rollout.engines.protocol.EngineDead` (vLLM's EngineCore died) can serve nothing
+  more: the actor exits, so its callers see an actor death, as if the process had been killed, and the run or
+  server moves the requests to the other engines (or stops with exit 3 when none is left).
 * Which class a kind is, its default resources and how it is built: rollout/engines/factory.py.
 
 Use :func:`start_engine_actors` with a config (a dict or a list of dicts, see
@@ -37,6 +40,7 @@ from rollout.engines.checkpoint import backend_free_check
 from rollout.engines.factory import EngineSpec, build_backend
 from rollout.engines.protocol import (
     EngineBackend,
+    EngineDead,
     EngineInfo,
     GenerateOutput,
     GenerateRequest,
@@ -51,6 +55,15 @@ from .handles import RayEngine
 T = TypeVar("T")
 CONTROL_GROUP = "control"
 CONTROL_CONCURRENCY = 16
+
+
+@contextlib.contextmanager
+def _exit_when_dead() -> Iterator[None]:
+    """An :class:`EngineDead` from the backend ends the actor (see the module doc)."""
+    try:
+        yield
+    except EngineDead:
+        ray.actor.exit_actor()
 
 
 def _decoded(request: GenerateRequest | Mapping[str, Any] | bytes) -> GenerateRequest:
@@ -103,7 +116,7 @@ class EngineActorImpl:
         """Generate for a request (a GenerateRequest, or a dict / JSON bytes decoded strictly by decode_request).
         Raises EngineError for a bad request; the actor keeps serving."""
         backend = await self._ensure()
-        with self._counted() as stats:
+        with self._counted() as stats, _exit_when_dead():
             out = await self._home(backend.generate(_decoded(request)))
         if any(r.finish_reason == "error" for r in out.results):
             stats["errors"] += 1
@@ -114,7 +127,7 @@ class EngineActorImpl:
         rollout/engines/streaming.py). Call it as a Ray streaming generator:
         ``actor.generate_stream.options(num_returns="streaming").remote(request)``."""
         backend = await self._ensure()
-        with self._counted() as stats:
+        with self._counted() as stats, _exit_when_dead():
             items = stream_of(backend, _decoded(request))
             try:
                 while True:

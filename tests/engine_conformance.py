@@ -38,6 +38,7 @@ import asyncio
 import inspect
 import math
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -201,6 +202,19 @@ async def check_seeded_sampling(backend: EngineBackend) -> None:
     a = await run_checked(backend, _request(prompt, tag="seed-a", **req))
     b = await run_checked(backend, _request(prompt, tag="seed-b", **req))
     assert a.results[0].completion_ids == b.results[0].completion_ids, "same seed, different completions"
+
+
+async def check_seeded_requests_over_one_step_budget(backend: EngineBackend) -> None:
+    """Seeded requests sent at once whose prompts together exceed one scheduler step's token budget (3072
+    tokens; vLLM's CPU default budget is 2048) all finish. vLLM 0.32's CPU runner killed its EngineCore on a
+    seeded request whose prompt was split across steps (chunked prefill), ending every request with an error."""
+    info = backend.info()
+    requests = [_request(p, tag=f"budget-{i}", max_tokens=4, temperature=1.0, seed=i, ignore_eos=True)
+                for i, p in enumerate(_prompts(info, length=96, count=32))]
+    outs = await asyncio.gather(*(run_checked(backend, r) for r in requests))
+    finishes = Counter(o.results[0].finish_reason for o in outs)
+    assert finishes == {"length": len(requests)}, (finishes, next((o.results[0].error for o in outs
+                                                                   if o.results[0].error), None))
 
 
 async def check_max_tokens(backend: EngineBackend) -> None:
@@ -531,6 +545,7 @@ CONFORMANCE_CHECKS: dict[str, ConformanceCheck] = {
     "info": check_info,
     "greedy_determinism": check_greedy_determinism,
     "seeded_sampling": check_seeded_sampling,
+    "seeded_requests_over_one_step_budget": check_seeded_requests_over_one_step_budget,
     "max_tokens": check_max_tokens,
     "stop_tokens": check_stop_tokens,
     "logprobs": check_logprobs,

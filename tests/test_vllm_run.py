@@ -105,3 +105,60 @@ def test_token_identity_on_vllm_shards(runs):
     print(f"\nidentity on vLLM shards: {report['trainable_tokens']} trainable tokens, "
           f"max |vLLM - forward| {report['max_abs_diff']:.2e}")
     assert done.returncode == 0 and report["trainable_tokens"] > 0 and not report["failures"], report
+
+
+def _engine_core_pids(ray_dir: str) -> list[int]:
+    """vLLM's EngineCore processes started under the Ray session whose temp dir is ``ray_dir`` (they inherit
+    RAY_TMPDIR from the engine actor): only this test's, never anyone else's."""
+    mine = f"RAY_TMPDIR={ray_dir}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if mine in environ and b"EngineCore" in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+def test_engine_core_death_ends_the_run_in_one_line_with_exit_3(tmp_path):
+    """vLLM's EngineCore dying is an engine death, not an error for each later request: the actor exits, and a
+    run with no engine left ends as issue 31 asks (one line, exit 3, finished groups written). Before, every
+    later rollout was recorded as finish "error" (EngineDeadError) and the run went on sampling nothing."""
+    import re
+    import shutil
+    import signal
+    import tempfile
+
+    ray_dir = tempfile.mkdtemp(prefix="ted", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    out = tmp_path / "out"
+    cmd = [str(TITO), "run", "configs/demo.yaml", "--out", str(out)]
+    for s in ("tasks.count=4", "group_size=2", "max_concurrent_rollouts=1", "output.flush_interval_s=600",
+              "engine.backend=vllm", "engine.options.max_model_len=2048", "engine.options.enforce_eager=true"):
+        cmd += ["--set", s]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "NO_COLOR": "1", "RAY_TMPDIR": ray_dir}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: list[str] = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if re.search(r"rollouts [4-7]/8", line):
+                pids = _engine_core_pids(ray_dir)
+                assert len(pids) == 1, f"one EngineCore expected, found {pids}"
+                os.kill(pids[0], signal.SIGKILL)
+                break
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    err = "".join(seen) + err
+    assert proc.returncode == 3, err[-3000:]
+    last = err.rstrip("\n").splitlines()[-1]
+    assert last.startswith("tito run: the engine died: ") and last.endswith("--resume` runs them"), err[-3000:]
+    summary = json.loads((out / "_summary.json").read_text())
+    assert summary["this_run"]["groups_written"] >= 2 and summary["errors"] == 0, summary

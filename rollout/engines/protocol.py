@@ -225,3 +225,12 @@ class Unsupported(RuntimeError):
 
     def __reduce__(self):  # keep the type through pickling (Ray)
         return (type(self), (str(self),))
+
+
+class EngineDead(RuntimeError):
+    """The engine can serve nothing more (vLLM's ``EngineDeadError``: its EngineCore process died). Raised by a
+    backend instead of answering each later request with finish "error": the Ray actor hosting it then exits,
+    so callers see an actor death and move its requests to the other engines (or stop, when none is left)."""
+
+    def __reduce__(self):  # keep the type through pickling (Ray)
+        return (type(self), (str(self),))

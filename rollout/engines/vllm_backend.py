@@ -36,8 +36,13 @@ What it sends to vLLM (see docs/engines.md and the vLLM 0.33 notes):
   ``rank`` and the dict's other entries, in rank order, become ``TokenLogprobs``; ``RequestOutput.prompt_logprobs``
   the same way), ``num_cached_tokens`` becomes
   ``cached_prompt_tokens``. vLLM's client errors (``VLLMClientError``, and ``ValueError``) become
-  :class:`EngineError` carrying vLLM's message and parameter; any other engine exception becomes results with
+  :class:`EngineError` carrying vLLM's message and parameter; ``EngineDeadError`` (the EngineCore died: every
+  later request would fail too) becomes :class:`EngineDead`; any other engine exception becomes results with
   finish "error" and the message in ``error``.
+* On CPU, chunked prefill is off unless ``engine_args`` turn it on: vLLM 0.32's CPU runner rewinds a seeded
+  request's generator after a partial prefill (``gen.set_offset``), which a CPU generator cannot do
+  ("RuntimeError: CPU Generator does not use offset"), and the EngineCore dies. Measured: 64 seeded requests
+  of 44 prompt tokens (configs/rl_loop.yaml) killed it on the first batch; without chunking they run.
 * On CPU, vLLM sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or, unset, from most of the machine's
   memory; the backend sets it to ``cpu_kvcache_gib`` (default 2) when the variable is not already set.
 """
@@ -61,6 +66,7 @@ from rollout.engines.checkpoint import (
 )
 from rollout.engines.protocol import (
     MAX_LOGPROBS,
+    EngineDead,
     EngineError,
     EngineInfo,
     FinishReason,
@@ -233,6 +239,12 @@ class VLLMEngine:
             self._client_errors: tuple[type[BaseException], ...] = (ValueError, VLLMClientError)
         except ImportError:  # older vLLM: its validation errors are ValueErrors
             self._client_errors = (ValueError,)
+        try:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            self._dead_errors: tuple[type[BaseException], ...] = (EngineDeadError,)
+        except ImportError:  # pragma: no cover - every vLLM v1 has it
+            self._dead_errors = ()
         if update_pause_mode not in ("wait", "abort"):
             raise ValueError(f"update_pause_mode must be 'wait' or 'abort', got {update_pause_mode!r}")
         extra = dict(engine_args or {})
@@ -251,6 +263,8 @@ class VLLMEngine:
             kwargs["max_model_len"] = max_model_len
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
+        if on_cpu:  # a partial prefill of a seeded request kills the CPU EngineCore (module doc)
+            kwargs["enable_chunked_prefill"] = False
         kwargs.update(extra)
         kwargs.update(_FORCED_ARGS)
         kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)  # refreshes a tied lm_head after each reload
@@ -355,6 +369,8 @@ class VLLMEngine:
         except self._client_errors as exc:  # vLLM's input validation: this request's fault, named by vLLM
             raise EngineError(f"request {rid}: vLLM refused the request: {exc}",
                               getattr(exc, "parameter", None)) from exc
+        except self._dead_errors as exc:  # no later request can succeed either: an engine death, not an error
+            raise EngineDead(f"vLLM's engine core died: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - engine failures become finish "error" for this request
             return self._empty_output(request, "error", f"{type(exc).__name__}: {exc}", version)
         finally:
