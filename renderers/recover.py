@@ -187,25 +187,31 @@ class _Walk:
         if rendered is None or rendered.count(_SENTINEL) != 1:
             return None
         at = rendered.index(_SENTINEL)
+        tat = at  # where the message's text starts in the prompt's text
         if not self.text.startswith(rendered[:at]):
-            return None
+            # A reply head the template writes before a reply's text only (SentencePiece Mistral's " "
+            # after ``[/INST]``) is not there before a turn of tool calls alone: ``[/INST][TOOL_CALLS]``.
+            head = self.r.probe.reply_head if role == "assistant" else ""
+            if not head or not rendered[:at].endswith(head) or not self.text.startswith(rendered[: at - len(head)]):
+                return None
+            tat = at - len(head)
         marker = self.r._added_re.search(rendered, at) if self.r._added_re is not None else None
         if marker is None or SENT_NEW in rendered[at : marker.start()]:
             # No added token ends the message's text (Llama 2's ``[INST] ... [/INST]`` on a vocabulary
             # without them): the template's literal text up to the next message's does.
             delimiter = rendered[at + 1 : rendered.find(SENT_NEW, at)]
-            stop = self.text.find(delimiter, at, self.end) if delimiter.strip() else -1
+            stop = self.text.find(delimiter, tat, self.end) if delimiter.strip() else -1
             if stop < 0:
                 return None
             closes, nxt = False, stop
         else:
             delimiter = rendered[at + 1 : marker.end()]
-            stop = self.text.find(delimiter, at, self.end + len(delimiter))
+            stop = self.text.find(delimiter, tat, self.end + len(delimiter))
             if stop < 0:
                 return None
             closes = self.closing.fullmatch(marker.group()) is not None
             nxt = stop + len(delimiter) if closes else stop + len(delimiter) - len(marker.group())
-        body = self.text[at:stop]
+        body = self.text[tat:stop]
         if role != "assistant":
             if rendered[at - 1 : at] == '"' and delimiter.startswith('"'):  # inside a JSON string (Mistral's tool results)
                 try:

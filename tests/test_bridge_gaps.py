@@ -60,6 +60,28 @@ def test_the_simplest_turn_bridges_from_ids(entry_id: str) -> None:
     assert result.token_ids == _ids(entry, [user, reply, new])
 
 
+@pytest.mark.parametrize("entry_id", ["mistral-v3-spm@spm-v3", "mistral-v3"])
+def test_a_tool_result_after_a_finished_tool_round_bridges_from_ids(entry_id: str) -> None:
+    """The prompt holds a finished tool round, the model calls a tool again, the tool answers. Mistral v3
+    rejects the probe's reply with both text and calls, so the bridge recovers the conversation from the
+    prompt's ids; on SentencePiece the reply head " " after ``[/INST]`` is absent before ``[TOOL_CALLS]``
+    and the recovery walk must not require it."""
+    entry = CORPUS[entry_id]
+
+    def call(i: str) -> dict:
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"id": f"abcDEF12{i}", "type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}]}
+
+    history = [{"role": "user", "content": "What is 2+2?"}, call("3"),
+               {"role": "tool", "tool_call_id": "abcDEF123", "content": '{"r": "ok"}'},
+               {"role": "assistant", "content": "It is 4"}, {"role": "user", "content": "And 3+3?"}]
+    new = {"role": "tool", "tool_call_id": "abcDEF124", "content": '{"r": "6"}'}
+    prompt, completion = _turn(entry, history, call("4"), TOOL_DEFS)
+    result = entry.renderer().bridge(prompt, completion, [new], TOOL_DEFS)
+    assert isinstance(result, Bridged), result
+    assert result.token_ids == _ids(entry, [*history, call("4"), new], TOOL_DEFS)
+
+
 def test_a_moved_system_prompt_or_tool_list_still_breaks() -> None:
     """Mistral v3 moves the system prompt and the tool list to the new last user message: transformers'
     render does not extend the previous ids, and the ids-only bridge says so."""
