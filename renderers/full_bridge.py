@@ -44,7 +44,14 @@ class RendersWhole(Protocol):
 
 def assistant_message(renderer: RendersWhole, completion: list[int], tools: list[dict] | None) -> dict:
     """The sampled turn as the message a re-render uses: parsed, tool-call arguments in the form the
-    template renders in history."""
+    template renders in history. A completion that starts with the template's own text before a reply
+    (the assistant header of a template whose generation prompt leaves it to the model) is parsed after
+    it: the re-render writes it again, and a parse would take it for the reply's text."""
+    head = renderer.probe.reply_head
+    if head:
+        head_ids = renderer.tokenizer.encode(head)
+        if head_ids and list(completion[: len(head_ids)]) == head_ids:
+            completion = completion[len(head_ids) :]
     return renderer.parse_response(completion, tools=tools).to_message(renderer.history_arguments)
 
 

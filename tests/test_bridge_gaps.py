@@ -82,6 +82,21 @@ def test_a_tool_result_after_a_finished_tool_round_bridges_from_ids(entry_id: st
     assert result.token_ids == _ids(entry, [*history, call("4"), new], TOOL_DEFS)
 
 
+def test_a_tool_call_after_a_sampled_assistant_header_bridges() -> None:
+    """Llama 3.1 with its generation prompt removed: the model samples the assistant header itself, then
+    a tool call. The re-render writes the header again, so the sampled turn is parsed after it (Probe.
+    reply_head), else the call reads as text and the full render differs from the sampled ids."""
+    entry = CORPUS["llama-3.1+no-gp"]
+    history = [{"role": "user", "content": "What is 2+2?"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "abcDEF123", "type": "function", "function": {"name": "search", "arguments": {"q": "x"}}}]}
+    new = {"role": "tool", "tool_call_id": "abcDEF123", "content": '{"r": "ok"}'}
+    prompt, completion = _turn(entry, history, call, TOOL_DEFS)
+    result = entry.renderer().bridge(prompt, completion, [new], TOOL_DEFS)
+    assert isinstance(result, Bridged), result
+    assert result.token_ids == _ids(entry, [*history, call, new], TOOL_DEFS)
+
+
 def test_a_moved_system_prompt_or_tool_list_still_breaks() -> None:
     """Mistral v3 moves the system prompt and the tool list to the new last user message: transformers'
     render does not extend the previous ids, and the ids-only bridge says so."""
