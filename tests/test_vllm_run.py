@@ -107,6 +107,17 @@ def test_token_identity_on_vllm_shards(runs):
     assert done.returncode == 0 and report["trainable_tokens"] > 0 and not report["failures"], report
 
 
+def test_token_identity_on_embedded_shards_in_vllms_environment(runs):
+    """The embedded engine in .venv-vllm (vLLM pins transformers < 5.20, where a model takes its KV cache as
+    ``past_key_values``, not ``cache``): its logprobs equal a plain forward pass too. Passed the wrong name, the
+    engine decoded without KV (greedy "3 + 4" answered with one repeated token) and this failed."""
+    done = subprocess.run([sys.executable, "scripts/verify_identity.py", str(runs["embedded"]), "--tol", "1e-4",
+                           "--json"], cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                          text=True, timeout=600)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 0 and report["trainable_tokens"] > 0 and not report["failures"], report
+
+
 def _engine_core_pids(ray_dir: str) -> list[int]:
     """vLLM's EngineCore processes started under the Ray session whose temp dir is ``ray_dir`` (they inherit
     RAY_TMPDIR from the engine actor): only this test's, never anyone else's."""

@@ -34,6 +34,7 @@ for its session's next turn.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import secrets
 import time
@@ -64,6 +65,18 @@ from .protocol import (
     validate_request,
 )
 from .streaming import Listener, StreamDelta, stream_with_listener
+
+
+def _cache_arg(model: torch.nn.Module) -> str:
+    """The name a model's forward takes its KV cache by: ``cache`` from transformers 5.20 on, ``past_key_values``
+    before (vLLM 0.32 pins transformers < 5.20). An unknown keyword is swallowed by ``**kwargs``: passing the
+    wrong one would run every step without the KV of the tokens before it, sampling garbage without an error."""
+    params = inspect.signature(model.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise TypeError(f"{type(model).__name__}.forward takes neither cache nor past_key_values: no KV cache to pass")
 
 
 @dataclass
@@ -495,7 +508,8 @@ class EmbeddedEngine:
             last.append(len(keep) - 1)
         t0 = time.perf_counter()
         out = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=plan.positions[None],
-                         cache=self.kv, use_cache=True, logits_to_keep=torch.tensor(keep, device=self.device))
+                         **{_cache_arg(self.model): self.kv}, use_cache=True,
+                         logits_to_keep=torch.tensor(keep, device=self.device))
         logits = out.logits[0].float()
         t1 = time.perf_counter()
         for s in decoding:
