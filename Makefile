@@ -50,10 +50,10 @@ $(VLLM_STAMP): pyproject.toml scripts/setup_vllm_venv.sh
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	TITO_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS)
+	TITO_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest -q -p no:cacheprovider --durations=10 $(VLLM_TESTS)
 
 test-e2e: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q $(E2E_TESTS)
+	$(PY) -m pytest -q --durations=15 $(E2E_TESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check renderers rollout actors scripts tests
