@@ -187,6 +187,14 @@ class _Walk:
         if rendered is None or rendered.count(_SENTINEL) != 1:
             return None
         at = rendered.index(_SENTINEL)
+        quoted = False
+        if role == "tool" and rendered[at - 1 : at + 2] == f'"{_SENTINEL}"' and not self.text.startswith(rendered[:at]):
+            # a template that writes a tool result inside a JSON string unless it reads as a number
+            # (Mistral v3's ``{"content": 7, ...}``): the text without the quotes
+            quoted = self.text.startswith(rendered[: at - 1])
+            if quoted:
+                rendered = rendered[: at - 1] + _SENTINEL + rendered[at + 2 :]
+                at -= 1
         tat = at  # where the message's text starts in the prompt's text
         if not self.text.startswith(rendered[:at]):
             # A reply head the template writes before a reply's text only (SentencePiece Mistral's " "
@@ -213,7 +221,7 @@ class _Walk:
             nxt = stop + len(delimiter) if closes else stop + len(delimiter) - len(marker.group())
         body = self.text[tat:stop]
         if role != "assistant":
-            if rendered[at - 1 : at] == '"' and delimiter.startswith('"'):  # inside a JSON string (Mistral's tool results)
+            if not quoted and rendered[at - 1 : at] == '"' and delimiter.startswith('"'):  # inside a JSON string (Mistral's tool results)
                 try:
                     body = json.loads(f'"{body}"')
                 except ValueError:
@@ -277,13 +285,18 @@ def _fits(renderer: Recovers, messages: list[dict], tools: list[dict] | None, te
         variants.append([{"role": "system", "content": ""}, *messages])
     for variant in variants:
         fitted = _fit(renderer, variant, tools, text)
+        if fitted is None and any(m["role"] == "tool" for m in variant):
+            # a tool result the template writes other than as it stands (a number outside its quotes):
+            # as the walk read it (templates move no system prompt or tool list into a tool result)
+            fitted = _fit(renderer, variant, tools, text, keep=("assistant", "tool"))
         if fitted is not None:
             yield fitted
 
 
-def _fit(renderer: Recovers, messages: list[dict], tools: list[dict] | None, text: str) -> list[dict] | None:
+def _fit(renderer: Recovers, messages: list[dict], tools: list[dict] | None, text: str,
+         keep: tuple[str, ...] = ("assistant",)) -> list[dict] | None:
     skeleton = [
-        m if m["role"] == "assistant" else {**m, "content": chr(_FIRST_SENTINEL + i)} for i, m in enumerate(messages)
+        m if m["role"] in keep else {**m, "content": chr(_FIRST_SENTINEL + i)} for i, m in enumerate(messages)
     ]
     rendered = renderer._try_text(skeleton, tools, True)
     if rendered is None:
@@ -304,7 +317,7 @@ def _fit(renderer: Recovers, messages: list[dict], tools: list[dict] | None, tex
         return None
     out = []
     for i, m in enumerate(messages):
-        if m["role"] == "assistant":
+        if m["role"] in keep:
             out.append(m)
         elif i in groups:
             out.append({**m, "content": match.group(groups[i])})

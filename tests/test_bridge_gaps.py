@@ -65,21 +65,24 @@ def test_a_tool_result_after_a_finished_tool_round_bridges_from_ids(entry_id: st
     """The prompt holds a finished tool round, the model calls a tool again, the tool answers. Mistral v3
     rejects the probe's reply with both text and calls, so the bridge recovers the conversation from the
     prompt's ids; on SentencePiece the reply head " " after ``[/INST]`` is absent before ``[TOOL_CALLS]``
-    and the recovery walk must not require it."""
+    and the recovery walk must not require it. A tool result that reads as a number is written without
+    the quotes the walk's sentinel text gets."""
     entry = CORPUS[entry_id]
 
     def call(i: str) -> dict:
         return {"role": "assistant", "content": "", "tool_calls": [
             {"id": f"abcDEF12{i}", "type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}]}
 
-    history = [{"role": "user", "content": "What is 2+2?"}, call("3"),
-               {"role": "tool", "tool_call_id": "abcDEF123", "content": '{"r": "ok"}'},
-               {"role": "assistant", "content": "It is 4"}, {"role": "user", "content": "And 3+3?"}]
-    new = {"role": "tool", "tool_call_id": "abcDEF124", "content": '{"r": "6"}'}
-    prompt, completion = _turn(entry, history, call("4"), TOOL_DEFS)
-    result = entry.renderer().bridge(prompt, completion, [new], TOOL_DEFS)
-    assert isinstance(result, Bridged), result
-    assert result.token_ids == _ids(entry, [*history, call("4"), new], TOOL_DEFS)
+    # a result that reads as a number is written outside the JSON string's quotes: {"content": 4, ...}
+    for answer in ('{"r": "ok"}', "4"):
+        history = [{"role": "user", "content": "What is 2+2?"}, call("3"),
+                   {"role": "tool", "tool_call_id": "abcDEF123", "content": answer},
+                   {"role": "assistant", "content": "It is 4"}, {"role": "user", "content": "And 3+3?"}]
+        new = {"role": "tool", "tool_call_id": "abcDEF124", "content": "6"}
+        prompt, completion = _turn(entry, history, call("4"), TOOL_DEFS)
+        result = entry.renderer().bridge(prompt, completion, [new], TOOL_DEFS)
+        assert isinstance(result, Bridged), (answer, result)
+        assert result.token_ids == _ids(entry, [*history, call("4"), new], TOOL_DEFS)
 
 
 def test_a_tool_call_after_a_sampled_assistant_header_bridges() -> None:
