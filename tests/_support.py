@@ -267,3 +267,21 @@ def tiny_tmpfs(where: Path, size: str = "40k"):
         yield where
     finally:
         subprocess.run(["umount", str(where)], check=True)
+
+
+def ray_session_pids(ray_dir: str, cmdline_has: bytes) -> list[int]:
+    """Processes of the Ray session whose temp dir is ``ray_dir`` (a run started with ``RAY_TMPDIR=ray_dir``:
+    Ray's workers, and the processes they start, inherit it) whose command line contains ``cmdline_has``
+    (``b"ray::EngineActor"``, vLLM's ``b"EngineCore"``). Only a test's own session is ever matched."""
+    mine = f"RAY_TMPDIR={ray_dir}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            if mine in environ and cmdline_has in cmdline:
+                pids.append(int(entry))
+    return pids

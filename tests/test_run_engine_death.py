@@ -29,30 +29,13 @@ from rollout.data import load_samples, open_shards, read_step
 from rollout.follow import layout
 from rollout.shards import MANIFEST, SUMMARY, read_manifest
 
-from ._support import REPO, smollm2_gguf
+from ._support import REPO, ray_session_pids, smollm2_gguf
 from .test_run_failfast import _no_session_left
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled")
 TASKS, G = 4, 2
 TITO = [sys.executable, "-m", "actors.cli"]
 pytestmark = pytest.mark.slow
-
-
-def _engine_pids(ray_dir: str) -> list[int]:
-    """The engine actor processes of the Ray session that has ``ray_dir`` as its temp dir: Ray's workers take
-    the environment of the run that started them (RAY_TMPDIR included), so no one else's are ever matched."""
-    mine = f"RAY_TMPDIR={ray_dir}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:  # gone meanwhile, or not ours to read
-                continue
-            if mine in environ and cmdline.startswith(b"ray::EngineActor"):
-                pids.append(int(entry))
-    return pids
 
 
 def _kill_engine_when(cmd: list[str], ray_dir: str, ready: re.Pattern,
@@ -66,7 +49,7 @@ def _kill_engine_when(cmd: list[str], ray_dir: str, ready: re.Pattern,
         for line in proc.stderr:
             seen.append(line)
             if ready.search(line):
-                pids = _engine_pids(ray_dir)
+                pids = ray_session_pids(ray_dir, b"ray::EngineActor")
                 assert len(pids) == 1, f"one engine actor expected, found {pids}"
                 os.kill(pids[0], signal.SIGKILL)
                 then()

@@ -22,6 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from tests._support import ray_session_pids
 from tests._vllm import needs_vllm
 
 pytestmark = needs_vllm
@@ -118,23 +119,6 @@ def test_token_identity_on_embedded_shards_in_vllms_environment(runs):
     assert done.returncode == 0 and report["trainable_tokens"] > 0 and not report["failures"], report
 
 
-def _engine_core_pids(ray_dir: str) -> list[int]:
-    """vLLM's EngineCore processes started under the Ray session whose temp dir is ``ray_dir`` (they inherit
-    RAY_TMPDIR from the engine actor): only this test's, never anyone else's."""
-    mine = f"RAY_TMPDIR={ray_dir}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if mine in environ and b"EngineCore" in cmdline:
-                pids.append(int(entry))
-    return pids
-
-
 def test_engine_core_death_ends_the_run_in_one_line_with_exit_3(tmp_path):
     """vLLM's EngineCore dying is an engine death, not an error for each later request: the actor exits, and a
     run with no engine left ends as issue 31 asks (one line, exit 3, finished groups written). Before, every
@@ -157,7 +141,7 @@ def test_engine_core_death_ends_the_run_in_one_line_with_exit_3(tmp_path):
         for line in proc.stderr:
             seen.append(line)
             if re.search(r"rollouts [4-7]/8", line):
-                pids = _engine_core_pids(ray_dir)
+                pids = ray_session_pids(ray_dir, b"EngineCore")
                 assert len(pids) == 1, f"one EngineCore expected, found {pids}"
                 os.kill(pids[0], signal.SIGKILL)
                 break
