@@ -70,9 +70,15 @@ class DeepSeekR1DistillRenderer(Renderer):
         return is_tool
 
     def _continue(self, p, msgs, tools, prompt_ids, completion):
-        # Only user turns continue append-only: see _family_break for what breaks.
-        self._messages(p, msgs, is_output_first=False)
-        p.scaffold("<｜Assistant｜>\n")
+        # The one state the template carries across the conversation (ns.is_output_first): whether a
+        # tool output was rendered before. Only the conversation's first opens the outputs block, and
+        # its marker is text in this vocabulary, so it is read from the prompt's text (once, and only
+        # when a tool output is appended); _family_break refuses a prompt that reads both ways.
+        first = any(m["role"] == "tool" for m in msgs) and OUTPUTS_BEGIN not in self.tokenizer.decode(prompt_ids)
+        if self._messages(p, msgs, is_output_first=first):
+            p.scaffold(OUTPUTS_END + "\n")  # after tool results: no generation prompt
+        else:
+            p.scaffold("<｜Assistant｜>\n")
 
     def _family_break(self, prompt_ids, completion, msgs):
         roles = {m["role"] for m in msgs}
@@ -82,11 +88,12 @@ class DeepSeekR1DistillRenderer(Renderer):
                 "the deepseek-r1-distill template moves every system message to the top of the conversation",
                 position=0,
             )
-        if "tool" in roles:
+        if "tool" in roles and self.tokenizer.decode(prompt_ids).count(OUTPUTS_BEGIN) > 1:
             return Break(
                 BreakReason.TEMPLATE_NOT_APPEND_ONLY,
-                "the deepseek-r1-distill template renders tool results with conversation-wide state and "
-                "no generation prompt after them, so they cannot be appended",
+                f"the deepseek-r1-distill template opens its tool outputs with {OUTPUTS_BEGIN} only for the "
+                "conversation's first, and the previous prompt's text holds it more than once, so whether "
+                "this one is the first cannot be read from the ids",
                 position=len(prompt_ids) + len(completion),
             )
         if self.thinking_retention == "template":

@@ -55,9 +55,9 @@ def assistant_message(renderer: RendersWhole, completion: list[int], tools: list
     return renderer.parse_response(completion, tools=tools).to_message(renderer.history_arguments)
 
 
-def as_sampled(renderer: RendersWhole, message: dict, completion: list[int]) -> dict | None:
+def as_sampled(renderer: RendersWhole, message: dict, completion: list[int]) -> list[dict]:
     """:func:`assistant_message`'s ``message`` with its text as sampled, where the parse stripped it (see
-    :func:`exact_text`); None where that is the same message."""
+    :func:`exact_texts`), never ``message`` itself; empty where the parse stripped nothing."""
     end = len(completion)
     while end and completion[end - 1] in renderer.stop_token_ids:
         end -= 1
@@ -69,20 +69,34 @@ def as_sampled(renderer: RendersWhole, message: dict, completion: list[int]) -> 
         text = text[len(head) :]
     if gap and text.endswith(gap):
         text = text[: len(text) - len(gap)]
-    exact = exact_text(message, text)
-    return None if exact is message else exact
+    return [m for m in exact_texts(message, text) if m != message]
 
 
-def exact_text(message: dict, sampled: str) -> dict:
-    """``message`` with the reply's text as sampled where the parse only stripped it: a parse strips the
-    text around a reply, and a template that renders it verbatim (Mistral's) renders other ids than the
-    model's from the stripped one. Only a plain reply (no calls, no reasoning, no markup) is ``sampled``
-    stripped."""
-    if "tool_calls" in message or "reasoning_content" in message:
-        return message
-    if sampled != message["content"] and sampled.strip() == message["content"]:
-        return {**message, "content": sampled}
-    return message
+def exact_texts(message: dict, sampled: str) -> list[dict]:
+    """``message`` with the reply's text as sampled where the parse may have stripped it, most likely
+    first (``message`` itself may be one); empty where it stripped nothing. A parse strips the text around a reply, and a template that renders
+    it verbatim (Mistral's, Qwen's) renders other ids than the model's from the stripped one.
+
+    A plain reply (no calls, no reasoning, no markup) is ``sampled`` stripped: one candidate. A reply
+    with tool calls keeps the whitespace ``sampled`` opens with, and some of the whitespace between its
+    text and the first call: how much is the template's own separator (Qwen's ``"\n"`` before
+    ``<tool_call>``) only a render can tell, so each split is a candidate. Candidates only: the caller's
+    re-render against the sampled ids decides."""
+    if "reasoning_content" in message:
+        return []
+    content = message["content"]
+    if "tool_calls" not in message:
+        return [{**message, "content": sampled}] if sampled != content and sampled.strip() == content else []
+    lead = sampled[: len(sampled) - len(sampled.lstrip())]
+    if content.startswith(lead):
+        lead = ""  # the parse kept it (or there is none)
+    if not content or not sampled.startswith(lead + content):
+        return []
+    after = sampled[len(lead) + len(content) :]
+    trail = after[: len(after) - len(after.lstrip())]
+    if not lead and not trail:
+        return []
+    return [{**message, "content": lead + content + trail[:j]} for j in range(len(trail) + 1)]
 
 
 def full_bridge(

@@ -147,10 +147,11 @@ class GenericBridge:
         """The full-render bridge with the sampled turn as parsed, else with its text as sampled (a parse
         strips it; renderers/full_bridge.py ``as_sampled``): either is checked on the sampled ids."""
         result = full_bridge(self, prompt, completion, history, assistant, msgs, tools, closing_ids, why)
-        if isinstance(result, Break) and (exact := as_sampled(self, assistant, completion)) is not None:
-            retry = full_bridge(self, prompt, completion, history, exact, msgs, tools, closing_ids, why)
-            if isinstance(retry, Bridged):
-                return retry
+        if isinstance(result, Break):
+            for exact in as_sampled(self, assistant, completion):
+                retry = full_bridge(self, prompt, completion, history, exact, msgs, tools, closing_ids, why)
+                if isinstance(retry, Bridged):
+                    return retry
         return result
 
     def _bridge_readings(self, prompt, completion, readings, msgs, tools, closing_ids, why) -> Bridged | Break:

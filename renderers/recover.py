@@ -37,7 +37,7 @@ import re
 from typing import Any, Protocol
 
 from .base import TemplateRejected
-from .full_bridge import RendersWhole, exact_text
+from .full_bridge import RendersWhole, exact_texts
 from .messages import MessageError
 from .probe import SENT_NEW, Probe, closers
 from .tokenizer import Tokenizer
@@ -229,7 +229,20 @@ class _Walk:
             return {**candidate, "content": body}, nxt
         ids = self.r.tokenizer.encode(body + (marker.group() if closes and marker is not None else ""))
         message = self.r.parse_response(ids, tools=self.parse_tools).to_message(self.r.history_arguments)
-        return exact_text(message, body), nxt
+        return self._as_written(msgs, message, exact_texts(message, body), after, tat, body), nxt
+
+    def _as_written(self, msgs: list[dict], message: dict, candidates: list[dict], after: list[dict], tat: int,
+                    body: str) -> dict:
+        """The first of ``candidates`` (the parsed turn with its text as sampled, renderers/full_bridge.py
+        ``exact_texts``) that the template writes as the prompt's text holds it, at ``tat``; else the
+        first, else ``message``. One render each, only where the parse stripped text."""
+        if len(candidates) > 1:
+            for candidate in candidates:
+                self.renders += 1
+                rendered = self.r._try_text([*msgs, candidate, *after], self.tools, False)
+                if rendered is not None and rendered[:tat] == self.text[:tat] and rendered[tat:].startswith(body):
+                    return candidate
+        return candidates[0] if candidates else message
 
 
 def _unescaped(conversation: list[dict]) -> list[dict] | None:

@@ -7,7 +7,9 @@ Llama-2-style ``[INST]`` templates and mechanical mutations), ``--n`` seeded con
 by turn from transformers' ids on a fresh renderer with no history. ``--renderers DIR`` measures another
 checkout's renderers/ (the "before" figures: ``git worktree add /tmp/base <commit>``, then
 ``--renderers /tmp/base/renderers``). Prints a markdown table; exit 1 on any needless break, wrong bridge
-or render unequal to transformers' (``unequal``: parity of the renderer's own render).
+or render unequal to transformers' (``unequal``: parity of the renderer's own render). ``ambiguous``
+breaks (ids that fit two conversations continuing differently, checked with transformers) are the
+contract and counted apart.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ def main() -> int:
         _use_renderers(args.renderers)
     from tests.bridge_gaps import NotApplicable, corpus, measure
 
-    print("| template | turns | append-stable | breaks | needless | wrong | drift | exact | unequal | s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| template | turns | append-stable | breaks | needless | ambiguous | wrong | drift | exact | unequal | s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     bad = 0
     examples: list = []
     for entry in corpus():
@@ -55,7 +57,7 @@ def main() -> int:
         except NotApplicable:
             continue
         bad += c["needless"] + c["wrong"] + c["unequal"]
-        print(f"| {entry.id} | {c['turns']} | {c['stable']} | {c['breaks']} | {c['needless']} | {c['wrong']} | "
+        print(f"| {entry.id} | {c['turns']} | {c['stable']} | {c['breaks']} | {c['needless']} | {c['ambiguous']} | {c['wrong']} | "
               f"{c['drift']} | {c['exact']} | {c['unequal']} | {time.perf_counter() - start:.1f} |", flush=True)
     for example in examples[:20]:
         print("needless/wrong:", example, file=sys.stderr)

@@ -12,6 +12,11 @@ Counted per template (:func:`measure`):
 
 - ``needless``: a Break where transformers' render of the conversation with the new messages *is*
   an append-only extension of previous prompt + completion (the turn could have been bridged);
+- ``ambiguous``: such a Break where the ids cannot tell: two or more conversations render (by
+  transformers) to the previous prompt's ids exactly, and, with the sampled turn and the new messages,
+  render differently (Mistral v2/v3 write ``[INST]`` + system + ``"\n\n"`` + user text, so a user text
+  ending in ``"\n\n"`` also reads as a system prompt and an empty user text). No ids-only bridge is
+  right for both, so the contract is a Break; counted apart from ``needless``;
 - ``wrong``: a bridge where that render is append-only and the bridged ids differ from it;
 - ``unequal``: the renderer's own render of that conversation differs from transformers' (parity);
 - ``drift``: a bridge where it is not (the template rewrites the previous prompt or the sampled turn):
@@ -416,8 +421,8 @@ def measure(entry: Entry, seed: int, n: int, examples: list | None = None) -> di
     """Bridge every case of ``conversations(seed, n)`` from ids alone on a fresh renderer; the counts (see
     the module docstring)."""
     convs = conversations(seed, n, entry.string_args)
-    c = {"turns": 0, "stable": 0, "breaks": 0, "needless": 0, "exact": 0, "wrong": 0, "drift": 0, "skipped": 0,
-         "unequal": 0}
+    c = {"turns": 0, "stable": 0, "breaks": 0, "needless": 0, "ambiguous": 0, "exact": 0, "wrong": 0, "drift": 0,
+         "skipped": 0, "unequal": 0}
     for case in cases(entry, convs, c):
         # parity first: the renderer's render of the conversation through the new messages
         try:
@@ -433,7 +438,9 @@ def measure(entry: Entry, seed: int, n: int, examples: list | None = None) -> di
         c["stable"] += case.stable
         if isinstance(result, Break):
             c["breaks"] += 1
-            if case.stable:
+            if case.stable and _ambiguous(entry, case):
+                c["ambiguous"] += 1
+            elif case.stable:
                 c["needless"] += 1
                 if examples is not None:
                     examples.append((entry.id, case.k, result.reason.value, result.detail[:160]))
@@ -448,3 +455,21 @@ def measure(entry: Entry, seed: int, n: int, examples: list | None = None) -> di
             if examples is not None:
                 examples.append((entry.id, case.k, "wrong", ""))
     return c
+
+
+def _ambiguous(entry: Entry, case: Case) -> bool:
+    """Whether the previous prompt's ids fit several conversations that continue differently, checked
+    with transformers: the readings come from the renderer's recovery, but each must render to the
+    prompt's ids exactly, and their renders with the true sampled turn and the new messages must differ."""
+    try:
+        from tito_renderers.recover import recover_conversations
+    except ImportError:  # an older checkout's renderers (scripts/measure_bridge_gaps.py --renderers)
+        return False
+    readings = recover_conversations(entry.renderer(), case.prompt, case.tools)
+    try:
+        if len(readings) < 2 or any(entry.reference_ids(r, case.tools, True) != case.prompt for r in readings):
+            return False
+        turn = [case.messages[case.k], *case.new]
+        return len({tuple(entry.reference_ids([*r, *turn], case.tools, True)) for r in readings}) > 1
+    except (jinja2.TemplateError, TypeError, ValueError):
+        return False

@@ -100,6 +100,30 @@ def test_a_tool_call_after_a_sampled_assistant_header_bridges() -> None:
     assert result.token_ids == _ids(entry, [*history, call, new], TOOL_DEFS)
 
 
+@pytest.mark.parametrize("text", ["\nLet me search.", "Let me search.\n\n", "Let me search. "])
+@pytest.mark.parametrize("entry_id", ["qwen2.5+space-before-markers", "qwen2.5"])
+def test_a_reply_with_whitespace_around_its_text_before_a_tool_call_bridges(entry_id: str, text: str) -> None:
+    """A reply with text and a tool call, the text opening or ending with whitespace, in the prompt's
+    history. Qwen2.5 with a space before its markers closes no turn on an added token alone
+    (`` <|im_end|>``), so every bridge from ids recovers the conversation; the parse strips the text, and
+    the proof by re-render failed until the whitespace was restored (renderers/full_bridge.py
+    ``exact_texts``: how much of the whitespace before the call is the template's own ``"\n"`` is
+    decided by rendering)."""
+    entry = CORPUS[entry_id]
+    opening = {"role": "assistant", "content": text, "tool_calls": [
+        {"id": "abcDEF123", "type": "function", "function": {"name": "search", "arguments": {"q": "x"}}}]}
+    history = [{"role": "user", "content": "Find x."}, opening,
+               {"role": "tool", "tool_call_id": "abcDEF123", "content": '{"r": "ok"}'}]
+    reply, new = {"role": "assistant", "content": "Found it."}, {"role": "user", "content": "Thanks."}
+    prompt, completion = _turn(entry, history, reply, TOOL_DEFS)
+    renderer = entry.renderer()
+    stop = max(i for i, t in enumerate(completion) if t in renderer.stop_token_ids)
+    completion = completion[: stop + 1]  # what the model sampled: through its stop token, not the "\n" after
+    result = renderer.bridge(prompt, completion, [new], TOOL_DEFS)
+    assert isinstance(result, Bridged), result
+    assert result.token_ids == _ids(entry, [*history, reply, new], TOOL_DEFS)
+
+
 def test_a_moved_system_prompt_or_tool_list_still_breaks() -> None:
     """Mistral v3 moves the system prompt and the tool list to the new last user message: transformers'
     render does not extend the previous ids, and the ids-only bridge says so."""
