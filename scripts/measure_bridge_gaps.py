@@ -1,6 +1,7 @@
 """Needless breaks and wrong bridges of the ids-only bridge over the gap-finding corpus (tests/bridge_gaps.py).
 
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/measure_bridge_gaps.py [--n 12] [--seed 7] [--renderers DIR] [ID ...]
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/measure_bridge_gaps.py --verify 500
 
 For every template of the corpus (fixtures, mistral-common's generated templates for every TemplateConfig,
 Llama-2-style ``[INST]`` templates and mechanical mutations), ``--n`` seeded conversations are bridged turn
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -39,29 +39,26 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=12, help="conversations per template (default 12)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--renderers", help="measure this renderers/ directory instead of the installed one")
+    parser.add_argument("--verify", type=int, metavar="N", help="only check that every converted shipped "
+                        "tokenizer file encodes N seeded texts as mistral-common does, and exit")
     args = parser.parse_args()
+    if args.verify:
+        from tests.shipped_mistral import FILES, mismatches, texts
+
+        sample = texts(args.verify, seed=args.seed)
+        bad = {name: mismatches(name, sample) for name in FILES}
+        for name, wrong in bad.items():
+            print(f"{name}: {len(wrong)} mismatches of {len(sample)} texts", *wrong[:5], sep="\n  ")
+        return 1 if any(bad.values()) else 0
     if args.renderers:
         _use_renderers(args.renderers)
-    from tests.bridge_gaps import NotApplicable, corpus, measure
+    from tests.bridge_gaps import table
 
-    print("| template | turns | append-stable | breaks | needless | ambiguous | wrong | drift | exact | unequal | s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    bad = 0
     examples: list = []
-    for entry in corpus():
-        if args.ids and not any(i in entry.id for i in args.ids):
-            continue
-        start = time.perf_counter()
-        try:
-            c = measure(entry, args.seed, args.n, examples)
-        except NotApplicable:
-            continue
-        bad += c["needless"] + c["wrong"] + c["unequal"]
-        print(f"| {entry.id} | {c['turns']} | {c['stable']} | {c['breaks']} | {c['needless']} | {c['ambiguous']} | {c['wrong']} | "
-              f"{c['drift']} | {c['exact']} | {c['unequal']} | {time.perf_counter() - start:.1f} |", flush=True)
+    totals = table(args.ids, args.seed, args.n, examples)
     for example in examples[:20]:
         print("needless/wrong:", example, file=sys.stderr)
-    return 1 if bad else 0
+    return 1 if totals["bad"] else 0
 
 
 if __name__ == "__main__":

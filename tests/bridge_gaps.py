@@ -473,3 +473,28 @@ def _ambiguous(entry: Entry, case: Case) -> bool:
         return len({tuple(entry.reference_ids([*r, *turn], case.tools, True)) for r in readings}) > 1
     except (jinja2.TemplateError, TypeError, ValueError):
         return False
+
+
+def table(ids: list[str], seed: int, n: int, examples: list | None = None) -> dict:
+    """Measure every corpus entry whose id contains one of ``ids`` (every entry where empty), printing a
+    markdown row per entry as it goes; the totals, with ``bad`` = needless + wrong + unequal."""
+    import time
+
+    print("| template | turns | append-stable | breaks | needless | ambiguous | wrong | drift | exact | unequal | s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    totals: dict[str, int] = {}
+    for entry in corpus():
+        if ids and not any(i in entry.id for i in ids):
+            continue
+        start = time.perf_counter()
+        try:
+            c = measure(entry, seed, n, examples)
+        except NotApplicable:
+            continue
+        for key, value in c.items():
+            totals[key] = totals.get(key, 0) + value
+        print(f"| {entry.id} | {c['turns']} | {c['stable']} | {c['breaks']} | {c['needless']} | {c['ambiguous']} | "
+              f"{c['wrong']} | {c['drift']} | {c['exact']} | {c['unequal']} | {time.perf_counter() - start:.1f} |",
+              flush=True)
+    totals["bad"] = totals.get("needless", 0) + totals.get("wrong", 0) + totals.get("unequal", 0)
+    return totals
