@@ -69,12 +69,23 @@ class DeepSeekR1DistillRenderer(Renderer):
                 p.scaffold(OUTPUT_END, i)
         return is_tool
 
+    def _outputs_opened(self, prompt_ids: list[int]) -> bool | None:
+        """Whether the prompt's conversation rendered a tool output (the template's ns.is_output_first,
+        the one state it carries across the conversation): only the first opens the outputs block, and
+        its marker is text in this vocabulary. True where the marker follows a turn-closing token (only
+        a tool output's scaffold starts there); False where the prompt's text never holds it; None where
+        it holds it elsewhere only (a user's text, or a tool output right after a user turn): the ids
+        cannot tell."""
+        close, width = self.turn_close_id, len(self.tokenizer.encode(OUTPUTS_BEGIN)) + 1
+        decode = self.tokenizer.decode
+        for i, t in enumerate(prompt_ids):
+            if t == close and decode(prompt_ids[i + 1 : i + 1 + width]).startswith(OUTPUTS_BEGIN):
+                return True
+        return None if OUTPUTS_BEGIN in decode(prompt_ids) else False
+
     def _continue(self, p, msgs, tools, prompt_ids, completion):
-        # The one state the template carries across the conversation (ns.is_output_first): whether a
-        # tool output was rendered before. Only the conversation's first opens the outputs block, and
-        # its marker is text in this vocabulary, so it is read from the prompt's text (once, and only
-        # when a tool output is appended); _family_break refuses a prompt that reads both ways.
-        first = any(m["role"] == "tool" for m in msgs) and OUTPUTS_BEGIN not in self.tokenizer.decode(prompt_ids)
+        # _family_break has refused a prompt whose tool-output state cannot be read (None)
+        first = any(m["role"] == "tool" for m in msgs) and self._outputs_opened(prompt_ids) is False
         if self._messages(p, msgs, is_output_first=first):
             p.scaffold(OUTPUTS_END + "\n")  # after tool results: no generation prompt
         else:
@@ -88,12 +99,12 @@ class DeepSeekR1DistillRenderer(Renderer):
                 "the deepseek-r1-distill template moves every system message to the top of the conversation",
                 position=0,
             )
-        if "tool" in roles and self.tokenizer.decode(prompt_ids).count(OUTPUTS_BEGIN) > 1:
+        if "tool" in roles and self._outputs_opened(prompt_ids) is None:
             return Break(
                 BreakReason.TEMPLATE_NOT_APPEND_ONLY,
                 f"the deepseek-r1-distill template opens its tool outputs with {OUTPUTS_BEGIN} only for the "
-                "conversation's first, and the previous prompt's text holds it more than once, so whether "
-                "this one is the first cannot be read from the ids",
+                "conversation's first, and the previous prompt's text holds it where a message's text may "
+                "have, so whether this one is the first cannot be read from the ids",
                 position=len(prompt_ids) + len(completion),
             )
         if self.thinking_retention == "template":
