@@ -74,8 +74,9 @@ def as_sampled(renderer: RendersWhole, message: dict, completion: list[int]) -> 
 
 def exact_texts(message: dict, sampled: str) -> list[dict]:
     """``message`` with the reply's text as sampled where the parse may have stripped it, most likely
-    first (``message`` itself may be one); empty where it stripped nothing. A parse strips the text around a reply, and a template that renders
-    it verbatim (Mistral's, Qwen's) renders other ids than the model's from the stripped one.
+    first (``message`` itself may be one); empty where it stripped nothing. A parse strips the text
+    around a reply, and a template that renders it verbatim (Mistral's, Qwen's) renders other ids than
+    the model's from the stripped one.
 
     A plain reply (no calls, no reasoning, no markup) is ``sampled`` stripped: one candidate. A reply
     with tool calls keeps the whitespace ``sampled`` opens with, and some of the whitespace between its

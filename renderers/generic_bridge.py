@@ -16,7 +16,7 @@ from .dialects import dialect_for
 from .full_bridge import as_sampled, assistant_message, full_bridge
 from .long_pieces import encode_pieces
 from .messages import MessageError, normalize_messages
-from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, closers, splice_point
+from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, call_id, closers, splice_point
 from .recipes import applies, fill, plain, sentinel, split_parts, split_segments, with_slots
 from .recover import recover_conversations
 from .tracked import tracked
@@ -192,8 +192,7 @@ class GenericBridge:
         a template that refuses text next to reasoning and tool calls (gpt-oss) gets the anchor as the
         reasoning instead."""
         names, reasons = shape
-        # ids of 9 alphanumerics, the form every template takes (renderers/probe.py)
-        calls = [{"id": f"call{i:05d}", "type": "function", "function": {"name": name, "arguments": {}}}
+        calls = [{"id": call_id(i), "type": "function", "function": {"name": name, "arguments": {}}}
                  for i, name in enumerate(names)]
         extra: dict[str, Any] = {"tool_calls": calls} if calls else {}
         user = {"role": "user", "content": SENT_USER}

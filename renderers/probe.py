@@ -25,8 +25,15 @@ PROBE_TOOL = {
     "type": "function",
     "function": {"name": "probe_fn", "description": "probe", "parameters": {"type": "object", "properties": {}}},
 }
-# The call id: 9 alphanumerics, the one form every template takes (Mistral's reject any other length).
-PROBE_CALL_ID = "call00000"
+
+
+def call_id(i: int) -> str:
+    """A stand-in id for tool call ``i``: 9 alphanumerics, the one form every template takes (Mistral's
+    reject any other length)."""
+    return f"call{i:05d}"
+
+
+PROBE_CALL_ID = call_id(0)
 PROBE_CALL = {"id": PROBE_CALL_ID, "type": "function", "function": {"name": "probe_fn", "arguments": {}}}
 # Context names transformers fills in itself, and the special tokens it passes.
 NOT_KWARGS = RESERVED | HELPERS | {"bos_token", "eos_token", "unk_token", "pad_token", "mask_token"}

@@ -13,9 +13,9 @@ back from the prompt's text, using only what rendering the template itself shows
    (reasoning, tool calls, the dialect's scan), the others kept as they stand (a text the template
    writes inside a JSON string, Mistral's tool results, is unescaped). The generation prompt may be
    empty: ``[INST]`` templates (Mistral v1-v3, Llama 2) open the assistant turn with the user turn's
-   close. The walk renders with tool definitions, then without them (a template may move them next to the last user message, which
-   the walk cannot know is the last), so a message's text may still hold what the template moved
-   into it (a tool list, a system prompt); step 2 takes that apart.
+   close. The walk renders with tool definitions, then without them (a template may move them next
+   to the last user message, which the walk cannot know is the last), so a message's text may still
+   hold what the template moved into it (a tool list, a system prompt); step 2 takes that apart.
 2. Texts (``_fit``): the walk's conversation rendered once more, with the tools and with every
    non-assistant text a distinct sentinel, is a pattern of the whole prompt: the template's text
    literal, each sentinel any text. Matched against the prompt it gives every message's text where the
@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from .base import TemplateRejected
 from .full_bridge import RendersWhole, exact_texts
 from .messages import MessageError
-from .probe import SENT_NEW, Probe, closers
+from .probe import SENT_NEW, Probe, call_id, closers
 from .tokenizer import Tokenizer
 
 
@@ -60,14 +60,6 @@ _FIRST_SENTINEL = 0xF8200
 _SENTINELS = re.compile("[\U000f8200-\U000f8fff]")
 _SENTINEL = "\U000f8100"  # the walk's candidate text
 _MAX_RENDERS = 400  # the walk gives up after this many template renders (a prompt no role sequence fits)
-
-
-def recover_conversation(renderer: Recovers, prompt: list[int], tools: list[dict] | None) -> list[dict] | None:
-    """The messages ``prompt`` (a render with the generation prompt) was rendered from with ``tools``, as
-    proven by re-rendering them to exactly ``prompt``; None where none is found. Where several readings
-    are proven (see :func:`recover_conversations`), the first."""
-    readings = recover_conversations(renderer, prompt, tools)
-    return readings[0] if readings else None
 
 
 def recover_conversations(renderer: Recovers, prompt: list[int], tools: list[dict] | None) -> list[list[dict]]:
@@ -283,7 +275,7 @@ def _answered_call(msgs: list[dict]) -> dict:
         calls = (m.get("tool_calls") or []) if m["role"] == "assistant" else []
         if answered < len(calls):
             call = calls[answered]
-            return {"tool_call_id": call.get("id") or f"call{answered:05d}", "name": call["function"]["name"]}
+            return {"tool_call_id": call.get("id") or call_id(answered), "name": call["function"]["name"]}
         break
     return {}
 

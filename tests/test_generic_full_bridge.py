@@ -162,7 +162,7 @@ def test_ids_alone_bridge_and_ids_no_conversation_re_renders_to_break() -> None:
     texts) and bridges as with the history; ids that spell the same text but are not the template's own
     tokenization (a client's char-by-char encoding) re-render to other ids: a Break that says so, never
     a bridge from a guess. A wrong history never bridges either."""
-    from tito_renderers.recover import recover_conversation
+    from tito_renderers.recover import recover_conversations
 
     family = FAMILIES[0]
     r = family.renderer()
@@ -171,7 +171,9 @@ def test_ids_alone_bridge_and_ids_no_conversation_re_renders_to_break() -> None:
     prompt = family.reference_ids(messages[:k], TOOLS, agp=True)
     completion = sampled_completion(r, prompt, family.reference_ids(messages[: k + 1], TOOLS))
     expected = family.reference_ids(messages[: k + 2], TOOLS, agp=True)
-    recovered = recover_conversation(family.renderer(), prompt, TOOLS)
+    readings = recover_conversations(family.renderer(), prompt, TOOLS)
+    assert len(readings) == 1
+    recovered = readings[0]
     assert [(m["role"], m["content"]) for m in recovered] == [(m["role"], m["content"]) for m in messages[:k]]
     result = r.bridge(prompt, completion, messages[k + 1 : k + 2], TOOLS)
     assert isinstance(result, Bridged) and result.token_ids == expected
@@ -183,7 +185,7 @@ def test_ids_alone_bridge_and_ids_no_conversation_re_renders_to_break() -> None:
     odd = prompt[:at] + by_char + prompt[at + n :]
     assert r.tokenizer.decode(odd) == r.tokenizer.decode(prompt) and odd != prompt
     fresh = family.renderer()
-    assert recover_conversation(fresh, odd, TOOLS) is None
+    assert recover_conversations(fresh, odd, TOOLS) == []
     brk = fresh.bridge(odd, completion, messages[k + 1 : k + 2], TOOLS)
     assert isinstance(brk, Break) and brk.reason is BreakReason.TEMPLATE_NOT_APPEND_ONLY
     assert "no conversation recovered from its ids re-renders to them" in brk.detail
