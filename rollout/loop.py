@@ -54,6 +54,11 @@ class AllEnginesDied(RuntimeError):
 
     summary: dict | None = None
 
+    @classmethod
+    def of(cls, engines: int) -> AllEnginesDied:
+        """The error for a run or service whose ``engines`` engines all died."""
+        return cls("the engine died" if engines == 1 else f"all {engines} engines died")
+
 
 class RolloutOutcome(msgspec.Struct):
     rollout_id: str
@@ -211,8 +216,7 @@ class RolloutDriver:
 
     def _some_engine_alive(self) -> None:
         if not self.router.alive():
-            n = len(self.engines)
-            raise AllEnginesDied("the engine died" if n == 1 else f"all {n} engines died")
+            raise AllEnginesDied.of(len(self.engines))
 
     # ---- one rollout -----------------------------------------------------------------------------
 

@@ -136,8 +136,7 @@ class WeightFollower:
         wait for ever on engines that can no longer load anything)."""
         live = self.holder.router.alive()
         if not live:
-            n = len(self.engines)
-            raise AllEnginesDied("the engine died" if n == 1 else f"all {n} engines died")
+            raise AllEnginesDied.of(len(self.engines))
         return live
 
     async def poll_once(self) -> bool:
