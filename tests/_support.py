@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -252,6 +253,35 @@ def serving(tmp_path_factory, namespace: str, settings: list[str], engine_option
                 ray.kill(handle.actor)
     finally:
         ray.shutdown()
+
+
+def built_tokenizer_dir(kind: str, name: str, key: str) -> Path:
+    """Where a tokenizer the tests build (tests/reconstructed.py, tests/shipped_mistral.py) is cached:
+    ``$TITO_CACHE`` (else ``~/.cache/tito``) / ``kind`` / ``name-key``. Never committed."""
+    root = os.environ.get("TITO_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "tito") / kind / f"{name}-{key}"
+
+
+@contextlib.contextmanager
+def building(out: Path):
+    """A fresh directory beside ``out`` to write a built tokenizer into, renamed to ``out`` once written:
+    atomic, so a concurrent build of the same key leaves one complete directory."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    yield tmp
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tokenizer_pair(path: Path):
+    """``(ours, reference)``: tito's Tokenizer and transformers' loaded from tokenizer directory ``path``."""
+    from transformers import AutoTokenizer
+
+    import tito_renderers as renderers
+
+    return renderers.load_tokenizer(path), AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 @contextlib.contextmanager

@@ -44,6 +44,7 @@ import tito_renderers as renderers
 from tito_renderers import Break
 
 from ._support import fixtures_dir, ours, reference
+from .family_checks import BridgeCase
 
 # ---- templates ----------------------------------------------------------------------------------
 
@@ -373,26 +374,7 @@ def conversations(seed: int, n: int, string_args: bool = False) -> list[tuple[li
 # ---- measurement ----------------------------------------------------------------------------------
 
 
-@dataclass
-class Case:
-    """Assistant turn ``k`` followed by ``new``: transformers' ids of the prompt before it, of what the
-    model sampled, and of the render through the new messages."""
-
-    k: int
-    messages: list[dict]
-    tools: Any
-    new: list[dict]
-    prompt: list[int]
-    completion: list[int]
-    expected: list[int]
-
-    @property
-    def stable(self) -> bool:
-        n = len(self.prompt) + len(self.completion)
-        return self.expected[:n] == self.prompt + self.completion
-
-
-def cases(entry: Entry, convs, counts: dict) -> Iterator[Case]:
+def cases(entry: Entry, convs, counts: dict) -> Iterator[BridgeCase]:
     """Every assistant turn followed by other messages that transformers renders (a template that rejects
     a conversation or a prefix of it skips the turn: counted in ``counts["skipped"]``)."""
     stops = set(entry.renderer().stop_token_ids)
@@ -414,7 +396,7 @@ def cases(entry: Entry, convs, counts: dict) -> Iterator[Case]:
             if not ends:
                 counts["skipped"] += 1
                 continue
-            yield Case(k, messages, tools, messages[k + 1 : nxt], prompt, rest[: ends[-1] + 1], expected)
+            yield BridgeCase(k, messages, tools, messages[k + 1 : nxt], prompt, rest[: ends[-1] + 1], expected)
 
 
 def measure(entry: Entry, seed: int, n: int, examples: list | None = None) -> dict:
@@ -457,7 +439,7 @@ def measure(entry: Entry, seed: int, n: int, examples: list | None = None) -> di
     return c
 
 
-def _ambiguous(entry: Entry, case: Case) -> bool:
+def _ambiguous(entry: Entry, case: BridgeCase) -> bool:
     """Whether the previous prompt's ids fit several conversations that continue differently, checked
     with transformers: the readings come from the renderer's recovery, but each must render to the
     prompt's ids exactly, and their renders with the true sampled turn and the new messages must differ."""

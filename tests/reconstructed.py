@@ -26,13 +26,10 @@ import copy
 import functools
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._support import fixtures_dir, tokenizer_dir
+from ._support import building, built_tokenizer_dir, fixtures_dir, tokenizer_dir, tokenizer_pair
 
 
 @dataclass(frozen=True)
@@ -207,11 +204,6 @@ SPECS.update({
 VOCABULARY = {"glm-4.7-flash": "glm-4.6", "kimi-k2-2507": "kimi-k2"}
 
 
-def _cache_root() -> Path:
-    root = os.environ.get("TITO_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "tito") / "reconstructed"
-
-
 def build(name: str) -> Path:
     """The directory of reconstructed tokenizer ``name`` (tokenizer.json, tokenizer_config.json,
     generation_config.json, PROVENANCE.txt), built once into the cache; its key covers the spec, the
@@ -222,7 +214,7 @@ def build(name: str) -> Path:
     key = hashlib.sha256(
         json.dumps([repr(spec), template, base_file.stat().st_size, base_file.stat().st_mtime_ns]).encode()
     ).hexdigest()[:16]
-    out = _cache_root() / f"{name}-{key}"
+    out = built_tokenizer_dir("reconstructed", name, key)
     if (out / "tokenizer_config.json").is_file():
         return out
     config = json.loads(base_file.read_text(encoding="utf-8"))
@@ -255,35 +247,25 @@ def build(name: str) -> Path:
         },
         **spec.extra_config,
     }
-    _cache_root().mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=_cache_root()))
-    (tmp / "tokenizer.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, ensure_ascii=False, indent=1), encoding="utf-8")
-    if spec.generation_eos:
-        gen = {"eos_token_id": [ids[t] for t in spec.generation_eos]}
-        (tmp / "generation_config.json").write_text(json.dumps(gen), encoding="utf-8")
-    (tmp / "PROVENANCE.txt").write_text(
-        f"RECONSTRUCTED tokenizer for {name} (tests/reconstructed.py), not the official file.\n"
-        f"base vocabulary: shared fixture {spec.base} ({spec.why})\n"
-        f"added tokens (ids {first}-{first + len(spec.added) - 1}, NOT the official ids): {spec.provenance}\n"
-        f"chat template: {f'shared/fixtures/templates/{spec.template}' if spec.template else 'none (set by the test)'}\n",
-        encoding="utf-8",
-    )
-    try:
-        tmp.rename(out)  # atomic: a concurrent build of the same key leaves one complete directory
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with building(out) as tmp:
+        (tmp / "tokenizer.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, ensure_ascii=False, indent=1), encoding="utf-8")
+        if spec.generation_eos:
+            gen = {"eos_token_id": [ids[t] for t in spec.generation_eos]}
+            (tmp / "generation_config.json").write_text(json.dumps(gen), encoding="utf-8")
+        (tmp / "PROVENANCE.txt").write_text(
+            f"RECONSTRUCTED tokenizer for {name} (tests/reconstructed.py), not the official file.\n"
+            f"base vocabulary: shared fixture {spec.base} ({spec.why})\n"
+            f"added tokens (ids {first}-{first + len(spec.added) - 1}, NOT the official ids): {spec.provenance}\n"
+            f"chat template: {f'shared/fixtures/templates/{spec.template}' if spec.template else 'none (set by the test)'}\n",
+            encoding="utf-8",
+        )
     return out
 
 
 @functools.cache
 def _load_built(name: str):
-    from transformers import AutoTokenizer
-
-    import tito_renderers as renderers
-
-    path = build(name)
-    return renderers.load_tokenizer(path), AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return tokenizer_pair(build(name))
 
 
 @functools.cache

@@ -26,11 +26,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
+
+from ._support import building, built_tokenizer_dir, tokenizer_pair
 
 # name -> (file in mistral_common/data, kind, the mistral-common template version it belongs to)
 FILES = {
@@ -47,11 +46,6 @@ def data_file(name: str) -> Path:
     import mistral_common
 
     return Path(mistral_common.__file__).parent / "data" / FILES[name][0]
-
-
-def _cache_root() -> Path:
-    root = os.environ.get("TITO_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "tito") / "mistral-common"
 
 
 def _spm_tokenizer(path: Path):
@@ -78,7 +72,7 @@ def build(name: str) -> Path:
     """The directory of converted tokenizer ``name`` (a key of :data:`FILES`), built once into the cache."""
     path = data_file(name)
     key = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    out = _cache_root() / f"{name}-{key}"
+    out = built_tokenizer_dir("mistral-common", name, key)
     if (out / "tokenizer_config.json").is_file():
         return out
     tok, specials = (_spm_tokenizer if FILES[name][1] == "spm" else _tekken_tokenizer)(path)
@@ -97,30 +91,20 @@ def build(name: str) -> Path:
             for s, i in sorted(ids.items(), key=lambda kv: kv[1])
         },
     }
-    _cache_root().mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=_cache_root()))
-    tok.save(str(tmp / "tokenizer.json"))
-    (tmp / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1), encoding="utf-8")
-    (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["</s>"]]}), encoding="utf-8")
-    (tmp / "PROVENANCE.txt").write_text(
-        f"Converted from mistral-common's shipped {path.name} (sha256 {key}...) by tests/shipped_mistral.py.\n",
-        encoding="utf-8")
-    try:
-        tmp.rename(out)  # atomic: a concurrent build of the same key leaves one complete directory
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with building(out) as tmp:
+        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1), encoding="utf-8")
+        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["</s>"]]}), encoding="utf-8")
+        (tmp / "PROVENANCE.txt").write_text(
+            f"Converted from mistral-common's shipped {path.name} (sha256 {key}...) by tests/shipped_mistral.py.\n",
+            encoding="utf-8")
     return out
 
 
 @functools.cache
 def load(name: str):
     """``(ours, reference)``: tito's Tokenizer and transformers' for converted tokenizer ``name``."""
-    from transformers import AutoTokenizer
-
-    import tito_renderers as renderers
-
-    path = build(name)
-    return renderers.load_tokenizer(path), AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return tokenizer_pair(build(name))
 
 
 @functools.cache
