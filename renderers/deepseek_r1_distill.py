@@ -69,23 +69,19 @@ class DeepSeekR1DistillRenderer(Renderer):
                 p.scaffold(OUTPUT_END, i)
         return is_tool
 
-    def _outputs_opened(self, prompt_ids: list[int]) -> bool | None:
-        """Whether the prompt's conversation rendered a tool output (the template's ns.is_output_first,
-        the one state it carries across the conversation): only the first opens the outputs block, and
-        its marker is text in this vocabulary. True where the marker follows a turn-closing token (only
-        a tool output's scaffold starts there); False where the prompt's text never holds it; None where
-        it holds it elsewhere only (a user's text, or a tool output right after a user turn): the ids
-        cannot tell."""
+    def _outputs_opened(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt shows a tool output rendered before (the template's ns.is_output_first, the
+        one state it carries across the conversation): only the first opens the outputs block, and its
+        marker is text in this vocabulary. Shown where the marker follows a turn-closing token: only a
+        tool output's scaffold starts there (a message's own text cannot; _family_break refuses a prompt
+        that holds the marker elsewhere only)."""
         close, width = self.turn_close_id, len(self.tokenizer.encode(OUTPUTS_BEGIN)) + 1
         decode = self.tokenizer.decode
-        for i, t in enumerate(prompt_ids):
-            if t == close and decode(prompt_ids[i + 1 : i + 1 + width]).startswith(OUTPUTS_BEGIN):
-                return True
-        return None if OUTPUTS_BEGIN in decode(prompt_ids) else False
+        return any(t == close and decode(prompt_ids[i + 1 : i + 1 + width]).startswith(OUTPUTS_BEGIN)
+                   for i, t in enumerate(prompt_ids))
 
     def _continue(self, p, msgs, tools, prompt_ids, completion):
-        # _family_break has refused a prompt whose tool-output state cannot be read (None)
-        first = any(m["role"] == "tool" for m in msgs) and self._outputs_opened(prompt_ids) is False
+        first = any(m["role"] == "tool" for m in msgs) and not self._outputs_opened(prompt_ids)
         if self._messages(p, msgs, is_output_first=first):
             p.scaffold(OUTPUTS_END + "\n")  # after tool results: no generation prompt
         else:
@@ -99,7 +95,10 @@ class DeepSeekR1DistillRenderer(Renderer):
                 "the deepseek-r1-distill template moves every system message to the top of the conversation",
                 position=0,
             )
-        if "tool" in roles and self._outputs_opened(prompt_ids) is None:
+        # the marker where a message's text may have put it (or a tool output right after a user turn):
+        # whether a tool output came before cannot be read
+        if ("tool" in roles and not self._outputs_opened(prompt_ids)
+                and OUTPUTS_BEGIN in self.tokenizer.decode(prompt_ids)):
             return Break(
                 BreakReason.TEMPLATE_NOT_APPEND_ONLY,
                 f"the deepseek-r1-distill template opens its tool outputs with {OUTPUTS_BEGIN} only for the "
