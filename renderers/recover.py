@@ -81,14 +81,13 @@ def recover_conversations(renderer: Recovers, prompt: list[int], tools: list[dic
     text = renderer.tokenizer.decode(prompt)
     if _SENTINELS.search(text) or _SENTINEL in text or SENT_NEW in text:
         return []
+    proven = _recover(renderer, prompt, text, gp, tools)
+    if proven:
+        return proven
     # A SentencePiece tokenizer that puts its dummy prefix on every run between added tokens decodes to
     # a text with one space too many after each added token: the runs' own text is a second reading.
     runs = renderer.tokenizer.decode_runs(prompt)
-    for candidate in (text, runs) if runs != text else (text,):
-        proven = _recover(renderer, prompt, candidate, gp, tools)
-        if proven:
-            return proven
-    return []
+    return _recover(renderer, prompt, runs, gp, tools) if runs != text else []
 
 
 def _recover(renderer: Recovers, prompt: list[int], text: str, gp: str, tools: list[dict] | None) -> list[list[dict]]:
