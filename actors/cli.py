@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from rollout.cli import main as rollout_main
+from rollout.cli.main import main as rollout_main
 
 from .placement import RayPlacement
 

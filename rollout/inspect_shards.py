@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 import pyarrow.compute as pc
 
 from .data import open_shards, shard_files
-from .progress import use_color
 
 
 def _open(path: str | Path):
@@ -123,9 +121,9 @@ def render_terminal(row: dict, tokenizer, color: bool = True) -> str:
 
 
 def inspect(path: str | Path, *, sample: int = 0, html_out: str | None = None, tokenizer=None, limit: int = 200,
-            color: bool | None = None) -> str:
-    """The summary text, plus the sample rendered for the terminal (``color``: default, only when stdout
-    is a terminal and NO_COLOR is unset), or ``limit`` samples from ``sample`` written as an HTML viewer
+            color: bool = False) -> str:
+    """The summary text, plus the sample rendered for the terminal (``color``: ANSI colours; the command
+    line asks for them on a terminal without NO_COLOR), or ``limit`` samples from ``sample`` written as an HTML viewer
     (rollout/viewer.py; token ids instead of text without a tokenizer)."""
     summary = summarize(path)
     lines = [f"  {k:<28} {v}" for k, v in summary.items()]
@@ -139,6 +137,4 @@ def inspect(path: str | Path, *, sample: int = 0, html_out: str | None = None, t
     if tokenizer is None:
         return text
     row = _sample(path, sample)
-    if color is None:
-        color = use_color(sys.stdout)
     return text + "\n\n" + render_terminal(row, tokenizer, color)

@@ -50,7 +50,7 @@ class EngineDied(RuntimeError):
 
 class AllEnginesDied(RuntimeError):
     """No engine is left alive: nothing more can be sampled. The groups finished before are with the renderers;
-    ``tito run`` writes them and stops (``summary``: the run summary it wrote, set by rollout/run.py)."""
+    ``tito run`` writes them and stops (``summary``: the run summary it wrote, set by rollout/cli/run.py)."""
 
     summary: dict | None = None
 

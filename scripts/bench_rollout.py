@@ -133,7 +133,7 @@ def bench_replay(fixtures: Path, n_tasks: int, group: int, repeats: int) -> dict
 
 
 def bench_embedded(concurrent: int) -> dict:
-    from rollout.run import run
+    from rollout.cli.run import run
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(REPO / "configs" / "demo.yaml", [

@@ -229,7 +229,7 @@ def test_only_the_first_signal_interrupts(sigint_found):
     import os
     import signal
 
-    from rollout.run import RunInterrupted, _signals_raise
+    from rollout.cli.run import RunInterrupted, _signals_raise
 
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     assert before[signal.SIGINT] is sigint_found
@@ -252,7 +252,7 @@ def test_a_signal_while_ray_starts_is_raised_once_it_is_up(sigint_found):
 
     import ray._private.utils as ray_utils
 
-    from rollout.run import RunInterrupted, _signals_raise
+    from rollout.cli.run import RunInterrupted, _signals_raise
     from rollout.startup import signals_deferred
 
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

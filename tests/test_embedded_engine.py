@@ -459,7 +459,7 @@ def test_keep_running_update_goes_on_under_the_new_weights_on_the_old_kv(env, re
 
 
 def test_cli_pull_reports_an_available_model(capsys):
-    from rollout.cli import main
+    from rollout.cli.main import main
     from rollout.models import ModelNotFound, resolve_model
 
     try:

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollout.cli import main as tito_main
+from rollout.cli.main import main as tito_main
 from rollout.config import RunConfig
 from rollout.data import open_shards
 from rollout.export import TARGETS, export, skyrl_generator_output, verl_batch

@@ -109,8 +109,8 @@ def test_a_rollout_that_times_out_is_recorded_and_its_engine_request_aborted(tmp
 def test_progress_line_counts_rollouts_tokens_breaks_and_reward():
     import io
 
+    from rollout.cli.progress import Progress
     from rollout.loop import RolloutOutcome
-    from rollout.run import Progress
 
     out = io.StringIO()
     bar = Progress(4, stream=out)

@@ -21,12 +21,12 @@ import urllib.request
 import pytest
 
 import tito_renderers as renderers
+from rollout.cli.progress import Progress
 from rollout.config import RunConfig
 from rollout.engines.replay import ReplayEngine
 from rollout.envs.calculator import CalculatorEnv
 from rollout.handles import LocalEngine
 from rollout.loop import RolloutDriver, RolloutOutcome
-from rollout.progress import Progress
 
 from ._support import REPO, interrupt, ours, sigint_default, tokenizer_dir
 
@@ -153,7 +153,7 @@ def test_no_color_turns_colour_off_on_a_terminal(monkeypatch, value):
 
 
 def test_use_color_only_on_a_terminal_without_no_color(monkeypatch):
-    from rollout.progress import use_color
+    from rollout.cli.progress import use_color
 
     seen = []
     monkeypatch.delenv("NO_COLOR", raising=False)

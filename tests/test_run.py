@@ -17,13 +17,13 @@ import ray  # noqa: E402
 
 from actors.engine import start_engine_actors  # noqa: E402
 from actors.placement import RayPlacement  # noqa: E402
+from rollout.cli.run import done_rollouts, run  # noqa: E402
 from rollout.config import load_config  # noqa: E402
 from rollout.envs import make_env  # noqa: E402
 from rollout.handles import LocalRenderer  # noqa: E402
 from rollout.inspect_shards import summarize  # noqa: E402
 from rollout.loop import RolloutDriver  # noqa: E402
 from rollout.renderer_service import RendererService  # noqa: E402
-from rollout.run import done_rollouts, run  # noqa: E402
 from rollout.shards import MANIFEST, SUMMARY, read_table  # noqa: E402
 
 from ._support import tokenizer_dir  # noqa: E402

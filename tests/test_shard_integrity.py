@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from rollout.cli.progress import Progress
 from rollout.inspect_shards import summarize
 from rollout.outputs import check_resume, complete_groups, drop_groups, remove_temporaries, write_outputs
-from rollout.progress import Progress
 from rollout.renderer_service import RendererService
 from rollout.shards import (
     DATA_DIR,

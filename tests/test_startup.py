@@ -35,7 +35,7 @@ def test_ray_placement_has_exactly_the_placement_methods():
 
 
 def test_run_and_serve_need_a_placement_the_other_commands_none(capsys):
-    from rollout.cli import main
+    from rollout.cli.main import main
 
     for command in ("run", "serve"):
         assert main([command, "--set", "model=x"] if command == "serve" else [command, "x.yaml"]) == 2
@@ -72,7 +72,7 @@ def test_serve_runs_the_same_preflight_as_run_before_ray_starts(capsys, tmp_path
     could never place, an output directory it cannot write. Ray is not started for either."""
     import ray
 
-    from rollout.cli import main
+    from rollout.cli.main import main
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")

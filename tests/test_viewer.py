@@ -210,7 +210,7 @@ def test_tito_inspect_html_and_bad_sample(shards, tmp_path, capsys):
     parsed = Page()
     parsed.feed(target.read_text(encoding="utf-8"))
     assert list(parsed.sections) == ["s1"]
-    from rollout.cli import main
+    from rollout.cli.main import main
 
     bad = tmp_path / "bad.html"  # the same command line in this process: a clear error and no file
     assert main(["inspect", str(out), "--html", str(bad), "--sample", "7"]) == 2

@@ -89,12 +89,10 @@ def build_state(cfg: ServeConfig,
 def _uvicorn_config(app: Any, host: str, port: int, log_level: str) -> Any:
     import uvicorn
 
-    from ..progress import no_color
-
     # backlog: a burst of hundreds of clients connecting at once must not be refused by the kernel;
     # use_colors None: uvicorn colours its log only on a terminal, False: NO_COLOR is set
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False,
-                          backlog=4096, timeout_keep_alive=30, use_colors=False if no_color() else None)
+                          backlog=4096, timeout_keep_alive=30, use_colors=False if os.environ.get("NO_COLOR") else None)
 
 
 def _shutdown(state: ServerState, actors: list[EngineHandle | RendererHandle], placement: startup.Placement) -> None:

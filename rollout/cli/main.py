@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .startup import Placement
+    from ..startup import Placement
 
 
 def _load_json(path: str, what: str):
@@ -43,7 +43,7 @@ def _parse_kwargs(pairs: list[str]) -> dict:
 def _tokenizer(args):
     from tito_renderers import load_tokenizer
 
-    from .models import resolve_model
+    from ..models import resolve_model
 
     tok = load_tokenizer(resolve_model(args.model))
     if args.chat_template:
@@ -101,7 +101,7 @@ def cmd_template(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from .models import ALIASES, ModelNotFound, model_dir, pull_model, resolve_model
+    from ..models import ALIASES, ModelNotFound, model_dir, pull_model, resolve_model
 
     if args.model not in ALIASES:
         raise ModelNotFound(f"unknown model alias {args.model!r} (known: {', '.join(sorted(ALIASES))})")
@@ -120,7 +120,7 @@ def cmd_pull(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import describe, export
+    from ..export import describe, export
 
     try:
         result = export(args.dir, args.to, args.out, env_name=args.env_name, temperature=args.temperature)
@@ -182,9 +182,9 @@ def build_parser(placement: Placement | None = None) -> argparse.ArgumentParser:
                         help="prime-rl temperature for shards that record none (default: the run's sampling.temperature)")
     export.set_defaults(func=cmd_export)
 
-    from .cli_doctor import register as register_doctor
-    from .cli_run import register
-    from .cli_serve import register as register_serve
+    from .doctor import register as register_doctor
+    from .run_cmd import register
+    from .serve_cmd import register as register_serve
 
     register(sub, placement)
     register_serve(sub, placement)
@@ -202,6 +202,3 @@ def main(argv: list[str] | None = None, placement: Placement | None = None) -> i
         print(f"tito {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

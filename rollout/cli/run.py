@@ -14,14 +14,14 @@ from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import startup
-from .config import RunConfig
-from .handles import EngineHandle, RendererHandle
-from .loop import AllEnginesDied, RolloutDriver
-from .outputs import check_resume, complete_groups, drop_groups, remove_temporaries, write_failure, write_outputs
+from .. import startup
+from ..config import RunConfig
+from ..handles import EngineHandle, RendererHandle
+from ..loop import AllEnginesDied, RolloutDriver
+from ..outputs import check_resume, complete_groups, drop_groups, remove_temporaries, write_failure, write_outputs
+from ..shards import DATA_DIR, ShardWriteError, output_shards, read_table, write_error_of
+from ..startup import STOP_SIGNALS, Placement, in_main_thread
 from .progress import Progress, ready_line, startup_line
-from .shards import DATA_DIR, ShardWriteError, output_shards, read_table, write_error_of
-from .startup import STOP_SIGNALS, Placement, in_main_thread
 
 T = TypeVar("T")
 
@@ -137,7 +137,7 @@ def _check_unique_ids(tasks: list, env_name: str) -> None:
 
 def done_rollouts(out_dir: Path) -> set[str]:
     """Rollout ids already written to finished shard files (for --resume); reads one column."""
-    from .data import open_shards
+    from ..data import open_shards
 
     if not output_shards(out_dir):
         return set()
@@ -166,10 +166,10 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
     appear; returns the follow summary once ``follow.max_steps`` batches are sealed."""
     import ray
 
-    from .envs import load_tasks, make_env
+    from ..envs import load_tasks, make_env
 
     if follow is not None:
-        from .follow import layout
+        from ..follow import layout
 
         if resume:
             raise ValueError("--resume is for a batch run: a --follow run always goes on from its last sealed batch")
@@ -245,7 +245,7 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
             if follow is None:
                 asyncio.run(_drive(driver.run(tasks), signals))
             else:
-                from .follow.service import FollowService
+                from ..follow.service import FollowService
 
                 async def serve_batches() -> int:  # built on the loop that runs it (asyncio primitives)
                     return await FollowService(cfg, follow, driver, engines, renderer_actors, tasks, config=config,
@@ -271,7 +271,7 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
             error = ShardWriteError(failed_writes[0])
         bar.finish()
         if follow is not None:
-            from .follow.service import recover
+            from ..follow.service import recover
 
             placement.stop([*engines, *renderer_actors])
             # what the renderers flushed into batches that were never sealed is removed: a trainer never sees it

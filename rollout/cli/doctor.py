@@ -61,7 +61,7 @@ def _fixtures() -> str:
 
 def _default_model() -> str:
     try:
-        from .models import ModelNotFound, resolve_model
+        from ..models import ModelNotFound, resolve_model
     except ImportError as exc:  # tito_renderers does not import: reported above
         return f"not checked ({type(exc).__name__})"
     try:

@@ -7,13 +7,13 @@ import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .startup import Placement
+    from ..startup import Placement
 
 
 def cmd_serve(args, placement: Placement | None) -> int:
-    from .cli_run import needs_placement
-    from .config import ServeConfig, load_config
-    from .serve.launch import serve
+    from ..config import ServeConfig, load_config
+    from ..serve.launch import serve
+    from .run_cmd import needs_placement
 
     placement = needs_placement("serve", placement)
 

@@ -7,7 +7,7 @@ import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .startup import Placement
+    from ..startup import Placement
 
 
 def needs_placement(command: str, placement: Placement | None) -> Placement:
@@ -37,8 +37,8 @@ def _command(args, *extra: str) -> str:
 def cmd_run(args, placement: Placement | None) -> int:
     import sys
 
-    from .config import ConfigError, load_config
-    from .loop import AllEnginesDied
+    from ..config import ConfigError, load_config
+    from ..loop import AllEnginesDied
     from .run import RunInterrupted, _signals_raise, print_summary, run, shutdown_ray
 
     placement = needs_placement("run", placement)
@@ -95,10 +95,13 @@ def cmd_run(args, placement: Placement | None) -> int:
 
 
 def cmd_inspect(args) -> int:
+    import sys
+
     from tito_renderers import load_tokenizer
 
-    from .inspect_shards import _sample, inspect
-    from .models import resolve_model
+    from ..inspect_shards import _sample, inspect
+    from ..models import resolve_model
+    from .progress import use_color
 
     tokenizer = None
     if not args.no_sample:
@@ -110,7 +113,7 @@ def cmd_inspect(args) -> int:
                 raise
             # the HTML viewer shows token ids where the shards' model is not on this machine
     print(inspect(args.path, sample=args.sample, html_out=None if args.no_sample else args.html, tokenizer=tokenizer,
-                  limit=args.limit))
+                  limit=args.limit, color=use_color(sys.stdout)))
     return 0
 
 
