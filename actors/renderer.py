@@ -22,8 +22,8 @@ from typing import Any
 
 import ray
 
+from rollout.data.shards import STREAM
 from rollout.renderer_service import RendererService
-from rollout.shards import STREAM
 
 from .handles import RayRenderer
 

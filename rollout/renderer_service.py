@@ -20,8 +20,8 @@ from typing import Any
 import tito_renderers as renderers
 from tito_renderers import Break
 
-from .samples import SampleBuilder, Segment
-from .shards import BREAKS, DATA_DIR, STREAM, ShardWriteError, ShardWriter
+from .data.samples import SampleBuilder, Segment
+from .data.shards import BREAKS, DATA_DIR, STREAM, ShardWriteError, ShardWriter
 from .turns import Finished, NextPrompt, RolloutMeta, SampledTurn, SegmentBreak
 
 
@@ -83,7 +83,7 @@ class RendererService:
         self._lock = threading.Lock()
         self._writer_settings = {"stream": stream, "fmt": fmt, "rows_per_file": rows_per_file,
                                  "flush_interval_s": flush_interval_s}
-        # shards go to OUT/data/, the break log beside it (see rollout/shards.py for the layout)
+        # shards go to OUT/data/, the break log beside it (see rollout/data/shards.py for the layout)
         self.writer = ShardWriter(Path(out_dir) / DATA_DIR, **self._writer_settings) if out_dir else None
         self._breaks_path = Path(out_dir) / BREAKS if out_dir else None
         # per-batch outputs (follow mode: batch k's rows go to RUN_DIR/rollouts/step_k/): one writer per
@@ -187,7 +187,7 @@ class RendererService:
         """Record the last turn's completion (if it was not bridged) and queue the rollout's samples
         (one row per segment) with the caller's metadata for the shard writer, as one unit. Returns the number of rows. ``tito serve`` calls :meth:`flush`
         after it to put a closed session on disk at once. Once a write has failed, raises
-        :class:`~rollout.shards.ShardWriteError` (the caller stops: nothing more can reach disk)."""
+        :class:`~rollout.data.shards.ShardWriteError` (the caller stops: nothing more can reach disk)."""
         rows = self._rows(rollout_id, meta, last_turn)
         if self.writer is not None:
             self.writer.add(rows)
@@ -218,7 +218,7 @@ class RendererService:
     def close_output(self, out_dir: str) -> dict:
         """Write what is pending for ``out_dir`` (see :meth:`finish_group`) and close its writer: returns
         ``{"files": [...], "write_error": str | None}`` as :meth:`close` does (file entries as
-        :class:`~rollout.shards.ShardWriter` returns them, names relative to ``<out_dir>/data/``;
+        :class:`~rollout.data.shards.ShardWriter` returns them, names relative to ``<out_dir>/data/``;
         ``files`` [] when no row went there). A later ``finish_group`` for it opens a new writer, whose
         files continue the numbering."""
         with self._lock:

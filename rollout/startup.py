@@ -155,7 +155,7 @@ def check_output_dir(out_dir: Path) -> None:
     file, a path under a file, a place nobody can write (``/proc``, a read-only mount, an immutable
     directory). A probe file is created and removed where the run's first file or directory will go
     (the directory itself, its ``data/``, or the nearest existing parent); nothing else is written."""
-    from .shards import DATA_DIR
+    from .data.shards import DATA_DIR
 
     where = f"output.dir {out_dir}"
     probe_in = out_dir

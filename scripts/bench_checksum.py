@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout.shards import SCHEMA, file_checksum, rows_to_table, write_table_atomic  # noqa: E402
+from rollout.data.shards import SCHEMA, file_checksum, rows_to_table, write_table_atomic  # noqa: E402
 from scripts.benchdoc import markers, replace_section  # noqa: E402
 from tests.test_data import synthetic_row  # noqa: E402  (a schema-complete sample row)
 

@@ -33,8 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rollout.data import read_step  # noqa: E402
-from rollout.follow import layout  # noqa: E402
+from rollout.data import layout, read_step  # noqa: E402
 
 
 def checkpoint(model: str, into: Path) -> Path:

@@ -3,11 +3,11 @@
     .venv/bin/python scripts/bench_packing.py [--size-gb 1.0] [--write docs/benchmarks.md]
 
 1. Streaming: synthetic shards of about ``--size-gb`` on disk (one file of ~``--file-mb`` rows written
-   with ``rollout.shards.ShardWriter``, then copied to reach the size), read back through
-   ``rollout.data.iter_samples`` (every sample's token arrays sliced out), and through the bare
+   with ``rollout.data.shards.ShardWriter``, then copied to reach the size), read back through
+   ``rollout.data.readers.iter_samples`` (every sample's token arrays sliced out), and through the bare
    ``pyarrow.dataset`` scan for reference. The files were just written, so the OS page cache is warm:
    this measures decode + iteration, not the disk. The directory is deleted at the end.
-2. Packing: ``rollout.packing.pack`` (seeded shuffle + first fit, building numpy rows) over the samples
+2. Packing: ``rollout.data.packing.pack`` (seeded shuffle + first fit, building numpy rows) over the samples
    of one file, at two budgets; tokens/s.
 
 Sample lengths are uniform in [64, 4096) tokens with a 30% prompt; medians of ``--repeat`` runs.
@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from benchdoc import markers, replace_section  # noqa: E402
 
 from rollout.data import iter_samples, open_shards  # noqa: E402
-from rollout.packing import pack  # noqa: E402
-from rollout.shards import ShardWriter  # noqa: E402
+from rollout.data.packing import pack  # noqa: E402
+from rollout.data.shards import ShardWriter  # noqa: E402
 
 
 def synthetic_rows(n: int, rng: np.random.Generator) -> list[dict]:

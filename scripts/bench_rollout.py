@@ -144,7 +144,7 @@ def bench_embedded(concurrent: int) -> dict:
         tokens = sum(f["tokens"] for f in json.loads((Path(out) / "_manifest.json").read_text())["files"])
         sizes["arrow"] = sum(p.stat().st_size for p in Path(out).glob("data/*.arrow")) / tokens
         # the same rows as Parquet
-        from rollout.shards import ShardWriter, read_table
+        from rollout.data.shards import ShardWriter, read_table
 
         pq_dir = Path(out) / "pq"
         w = ShardWriter(pq_dir, fmt="parquet", rows_per_file=10_000)

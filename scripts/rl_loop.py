@@ -20,7 +20,7 @@ already holds published weights is resumed at ``latest_version + 1`` (the servic
 
 Micro-batches (``--layout``): ``prefix`` (default) scores each group of samples that share a prompt with one
 forward pass of the prompt, its KV repeated for the completions (exact: the same logprobs as a packed pass,
-the gradient through the shared prompt included: within 2e-5 of ``packed``). ``packed`` is rollout.packing's
+the gradient through the shared prompt included: within 2e-5 of ``packed``). ``packed`` is rollout.data.packing's
 pack + packed_logprobs in rows of ``--budget`` tokens, which scores every sample's prompt again. Measured on
 configs/rl_loop.yaml's first batch (32 trained samples, 2158 tokens, 1 thread, idle 2-core EPYC): forward +
 backward 18.7 s prefix, 35.2 s packed at budget 1024, 47.1 s at 4096 (peak RSS 6.5 GB: the dense [L, L]
@@ -50,10 +50,10 @@ import torch
 
 from rollout.config import RunConfig, load_config
 from rollout.data import Sample, read_step
-from rollout.follow.layout import broadcast_dir
+from rollout.data.layout import broadcast_dir
+from rollout.data.packing import PackedRow, pack, packed_logprobs, sampling_log_softmax
 from rollout.follow.publish import latest_version, publish_weights
 from rollout.models import load_causal_lm
-from rollout.packing import PackedRow, pack, packed_logprobs, sampling_log_softmax
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINER_LOG = "trainer.jsonl"
@@ -114,7 +114,7 @@ def micro_batches(samples: Sequence[Sample], how: str, budget: int, seed: int) -
 def score(model: torch.nn.Module, mb: Group | PackedRow, temperature: float = 1.0, top_p: float = 1.0,
           top_k: int = 0) -> tuple[torch.Tensor, ...]:
     """(new logprobs, sampler logprobs, advantages, loss mask) of a micro-batch, aligned, same shape. The
-    new logprobs are of the distribution the engine sampled from (rollout.packing.sampling_log_softmax)."""
+    new logprobs are of the distribution the engine sampled from (rollout.data.packing.sampling_log_softmax)."""
     if isinstance(mb, PackedRow):
         new = packed_logprobs(model, mb, temperature=temperature, top_p=top_p, top_k=top_k)
         return new, *(torch.from_numpy(a) for a in (mb.inference_logprobs, mb.advantages, mb.loss_mask))

@@ -52,8 +52,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from rollout.data import open_shards
+    from rollout.data.viewer import write_viewer
     from rollout.models import resolve_model
-    from rollout.viewer import write_viewer
     from tito_renderers import load_tokenizer
 
     out_dir = Path(args.out_dir)

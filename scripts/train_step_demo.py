@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from rollout.data import load_samples
+from rollout.data.packing import PackedRow, pack, packed_logprobs
 from rollout.models import load_causal_lm
-from rollout.packing import PackedRow, pack, packed_logprobs
 
 
 def ratio_stats(logp_new: torch.Tensor, row: PackedRow) -> dict[str, float]:

@@ -7,7 +7,7 @@ The stored logprob is of the distribution actually sampled from (after temperatu
 default the check assumes a run sampled at temperature 1, top-p 1, top-k off, where that is the model's
 raw softmax, what a trainer's forward pass computes; for other runs pass the run's ``--temperature``,
 ``--top-p`` and ``--top-k`` and the same processing is applied to the recomputed logits. Rows are packed with
-``rollout.packing.pack`` (positions restarting per sample, block-diagonal causal attention) and run in
+``rollout.data.packing.pack`` (positions restarting per sample, block-diagonal causal attention) and run in
 fp32, eval mode, without a KV cache. Exits 1, naming each failing sample (rollout id, turn, token
 position), when a trainable token's |new - old| or |exp(new - old) - 1| exceeds the tolerance.
 """
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from rollout.data import load_samples
+from rollout.data.packing import PackedRow, SampleTooLong, pack, packed_logprobs
 from rollout.models import load_causal_lm
-from rollout.packing import PackedRow, SampleTooLong, pack, packed_logprobs
 
 
 @dataclass

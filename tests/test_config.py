@@ -51,8 +51,8 @@ def test_overrides(tmp_path):
 def test_resume_differences_name_every_field(tmp_path):
     """--resume compares the saved config: sampling, model, renderer and template hash must match;
     tasks.count, engines and output may change."""
-    from rollout.outputs import ResumeMismatch, check_resume, resume_differences, write_outputs
-    from rollout.shards import DATA_DIR, ShardWriter
+    from rollout.data.outputs import ResumeMismatch, check_resume, resume_differences, write_outputs
+    from rollout.data.shards import DATA_DIR, ShardWriter
 
     from .test_data import synthetic_row
 

@@ -1,4 +1,4 @@
-"""rollout.data: opening shard files/directories/globs lazily, pushdown filters, zero-copy samples, and
+"""rollout.data.readers: opening shard files/directories/globs lazily, pushdown filters, zero-copy samples, and
 interop with Hugging Face ``datasets`` (Arrow IPC file format and Parquet)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from rollout.data import iter_samples, load_samples, open_shards, sample_filter, shard_files
-from rollout.shards import ShardWriter
+from rollout.data.shards import ShardWriter
 
 
 def synthetic_row(i: int, n: int = 12, prompt: int = 5) -> dict:

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from rollout.shards import read_table
+from rollout.data.shards import read_table
 
 from ._support import REPO, smollm2_gguf
 

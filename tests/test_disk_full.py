@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 import yaml
 
-from rollout.shards import MANIFEST, SUMMARY, output_shards, read_table
+from rollout.data.shards import MANIFEST, SUMMARY, output_shards, read_table
 
 from ._support import REPO, tiny_tmpfs, tokenizer_dir
 

@@ -27,9 +27,9 @@ import pytest
 from rollout.cli.main import main as tito_main
 from rollout.config import RunConfig
 from rollout.data import open_shards
-from rollout.export import TARGETS, export, skyrl_generator_output, verl_batch
-from rollout.outputs import write_outputs
-from rollout.shards import DATA_DIR, STREAM, ShardWriter
+from rollout.data.export import TARGETS, export, skyrl_generator_output, verl_batch
+from rollout.data.outputs import write_outputs
+from rollout.data.shards import DATA_DIR, STREAM, ShardWriter
 
 from ._support import cached_venv, smollm2_gguf
 

@@ -13,17 +13,16 @@ import pytest
 import torch
 
 from rollout.config import FollowConfig, RunConfig
-from rollout.data import load_samples
+from rollout.data import layout, load_samples
+from rollout.data.shards import read_manifest
 from rollout.engines.protocol import GenerateRequest, SamplingParams, close_backend
 from rollout.envs.base import Task
 from rollout.envs.registry import make_env
-from rollout.follow import layout
 from rollout.follow.publish import publish_weights
 from rollout.follow.service import FollowService, TaskPool, min_version, recover
 from rollout.handles import LocalEngine, LocalRenderer
 from rollout.loop import RolloutDriver
 from rollout.renderer_service import RendererService
-from rollout.shards import read_manifest
 
 from ._support import smollm2_gguf
 

@@ -16,9 +16,8 @@ from collections import Counter
 import pytest
 import yaml
 
-from rollout.data import load_samples
-from rollout.follow import layout
-from rollout.shards import read_manifest
+from rollout.data import layout, load_samples
+from rollout.data.shards import read_manifest
 
 from ._support import REPO, sigint_default, smollm2_gguf
 from .test_run_failfast import _no_session_left, _session_pids, ray_tmp  # noqa: F401 - the fixture

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from rollout.follow import layout
+from rollout.data import layout
 from rollout.follow.metrics import (
     RUN_ID_FILE,
     MetricsSink,

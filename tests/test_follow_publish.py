@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from rollout.data.layout import BROADCASTS, STABLE, broadcast_dir, stable_versions
 from rollout.follow import publish as publish_mod
-from rollout.follow.layout import BROADCASTS, STABLE, broadcast_dir, stable_versions
 from rollout.follow.publish import latest_version, publish_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -267,9 +267,9 @@ def smollm2():
 
 
 def test_embedded_engine_loads_published_smollm2(smollm2, tmp_path):
+    from rollout.data.packing import PackedRow, packed_logprobs
     from rollout.engines.embedded import EmbeddedEngine
     from rollout.engines.protocol import GenerateRequest, SamplingParams
-    from rollout.packing import PackedRow, packed_logprobs
 
     torch.set_num_threads(1)
     model = smollm2

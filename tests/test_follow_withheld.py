@@ -10,16 +10,15 @@ import asyncio
 
 import tito_renderers as renderers
 from rollout.config import RunConfig
-from rollout.data import load_samples
+from rollout.data import layout, load_samples
+from rollout.data.shards import read_manifest
 from rollout.engines.replay import ReplayEngine, ReplayRecord
 from rollout.envs.arithmetic import ArithmeticEnv
 from rollout.envs.base import Task
-from rollout.follow import layout
 from rollout.follow.service import seal_batch
 from rollout.handles import LocalEngine, LocalRenderer
 from rollout.loop import RolloutDriver
 from rollout.renderer_service import RendererService
-from rollout.shards import read_manifest
 
 from ._support import ours, tokenizer_dir
 

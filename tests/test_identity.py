@@ -14,8 +14,8 @@ import pyarrow as pa
 import pytest
 
 from rollout.data import load_samples, shard_files
-from rollout.packing import pack
-from rollout.shards import ShardWriter, read_table
+from rollout.data.packing import pack
+from rollout.data.shards import ShardWriter, read_table
 
 from ._support import REPO, smollm2_gguf
 

@@ -9,12 +9,12 @@ import json
 
 import tito_renderers as renderers
 from rollout.config import RunConfig
+from rollout.data.shards import read_table
 from rollout.engines.replay import ReplayEngine, ReplayRecord
 from rollout.envs.calculator import CalculatorEnv
 from rollout.handles import LocalEngine, LocalRenderer
 from rollout.loop import RolloutDriver
 from rollout.renderer_service import RendererService
-from rollout.shards import read_table
 
 from ._support import ours, tokenizer_dir
 

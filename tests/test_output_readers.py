@@ -1,7 +1,7 @@
 """An output directory, exactly as ``tito run`` lays it out (shards through RendererService's ShardWriter
-into data/, manifest and summary rebuilt by rollout.outputs, a break log beside them), opens with every
+into data/, manifest and summary rebuilt by rollout.data.outputs, a break log beside them), opens with every
 reader docs/shards.md names, each pointed at the directory itself: pyarrow.dataset, polars, HF datasets,
-DuckDB, pandas, Ray Data, rollout.data and tito inspect. A run still writing (a hidden temporary in data/)
+DuckDB, pandas, Ray Data, rollout.data.readers and tito inspect. A run still writing (a hidden temporary in data/)
 disturbs none of them. The old schema-1 flat layout still opens with tito's own readers."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 
 from rollout.config import RunConfig
 from rollout.data import open_shards, shard_files
-from rollout.inspect_shards import summarize
-from rollout.outputs import write_outputs
-from rollout.shards import BREAKS, DATA_DIR, MANIFEST, STREAM, SUMMARY, ShardWriter
+from rollout.data.inspect_shards import summarize
+from rollout.data.outputs import write_outputs
+from rollout.data.shards import BREAKS, DATA_DIR, MANIFEST, STREAM, SUMMARY, ShardWriter
 
 from .test_data import synthetic_row
 

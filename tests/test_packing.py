@@ -1,4 +1,4 @@
-"""rollout.packing: packed rows (positions, cu_seqlens, per-token advantages/logprobs), determinism,
+"""rollout.data.packing: packed rows (positions, cu_seqlens, per-token advantages/logprobs), determinism,
 budget errors and splitting, the padded layout, and the block-diagonal mask matching per-sample passes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rollout.data import Sample
-from rollout.packing import SampleTooLong, block_causal_mask, pack, pad
+from rollout.data.packing import SampleTooLong, block_causal_mask, pack, pad
 
 
 def sample(i: int, n: int, prompt: int = 3) -> Sample:

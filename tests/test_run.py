@@ -19,12 +19,12 @@ from actors.engine import start_engine_actors  # noqa: E402
 from actors.placement import RayPlacement  # noqa: E402
 from rollout.cli.run import done_rollouts, run  # noqa: E402
 from rollout.config import load_config  # noqa: E402
+from rollout.data.inspect_shards import summarize  # noqa: E402
+from rollout.data.shards import MANIFEST, SUMMARY, read_table  # noqa: E402
 from rollout.envs import make_env  # noqa: E402
 from rollout.handles import LocalRenderer  # noqa: E402
-from rollout.inspect_shards import summarize  # noqa: E402
 from rollout.loop import RolloutDriver  # noqa: E402
 from rollout.renderer_service import RendererService  # noqa: E402
-from rollout.shards import MANIFEST, SUMMARY, read_table  # noqa: E402
 
 from ._support import tokenizer_dir  # noqa: E402
 
@@ -128,7 +128,7 @@ def _old_layout(out, cfg, files: dict[str, list[dict]]) -> None:
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
-    from rollout.shards import SAMPLING_COLUMNS, SCHEMA, VERSION_COLUMNS
+    from rollout.data.shards import SAMPLING_COLUMNS, SCHEMA, VERSION_COLUMNS
     from tito_renderers import create_renderer, load_tokenizer
 
     from .test_data import synthetic_row
@@ -186,8 +186,8 @@ def test_resume_of_a_schema_2_directory(tmp_path):
     import pyarrow.ipc as ipc
 
     from rollout.data import iter_samples
-    from rollout.outputs import write_outputs
-    from rollout.shards import DATA_DIR, SCHEMA, VERSION_COLUMNS
+    from rollout.data.outputs import write_outputs
+    from rollout.data.shards import DATA_DIR, SCHEMA, VERSION_COLUMNS
     from tito_renderers import create_renderer, load_tokenizer
 
     from .test_data import synthetic_row
@@ -223,7 +223,7 @@ def test_resume_of_a_schema_2_directory(tmp_path):
 
 def test_a_ray_renderer_writes_batch_outputs(tmp_path):
     from actors.renderer import start_renderer_actors
-    from rollout.shards import DATA_DIR
+    from rollout.data.shards import DATA_DIR
     from rollout.turns import Finished, RolloutMeta, SampledTurn
 
     (renderer,) = start_renderer_actors(1, str(tokenizer_dir("qwen2.5-7b-instruct")), num_cpus=0)
@@ -247,8 +247,8 @@ def test_a_ray_renderer_writes_batch_outputs(tmp_path):
 
 
 def test_resume_with_other_sampling_is_an_error_before_anything_runs(tmp_path):
-    from rollout.outputs import ResumeMismatch, write_outputs
-    from rollout.shards import DATA_DIR, ShardWriter
+    from rollout.data.outputs import ResumeMismatch, write_outputs
+    from rollout.data.shards import DATA_DIR, ShardWriter
 
     from .test_data import synthetic_row
 

@@ -25,9 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollout.data import load_samples, open_shards, read_step
-from rollout.follow import layout
-from rollout.shards import MANIFEST, SUMMARY, read_manifest
+from rollout.data import layout, load_samples, open_shards, read_step
+from rollout.data.shards import MANIFEST, SUMMARY, read_manifest
 
 from ._support import REPO, ray_session_pids, smollm2_gguf
 from .test_run_failfast import _no_session_left

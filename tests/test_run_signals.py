@@ -17,7 +17,7 @@ import pyarrow.dataset as ds
 import pytest
 import yaml
 
-from rollout.shards import MANIFEST, SUMMARY
+from rollout.data.shards import MANIFEST, SUMMARY
 
 from ._support import REPO, sigint_default, tokenizer_dir
 

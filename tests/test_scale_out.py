@@ -29,7 +29,7 @@ from actors.placement import RayPlacement  # noqa: E402
 from actors.renderer import NotSharedStorage, PlacedRendererService, check_shared_storage  # noqa: E402
 from rollout.cli.run import run  # noqa: E402
 from rollout.config import ServeConfig, load_config  # noqa: E402
-from rollout.shards import read_table  # noqa: E402
+from rollout.data.shards import read_table  # noqa: E402
 
 from ._support import http_call, tokenizer_dir  # noqa: E402
 

@@ -13,10 +13,9 @@ import time
 import pytest
 
 from rollout.cli.progress import Progress
-from rollout.inspect_shards import summarize
-from rollout.outputs import check_resume, complete_groups, drop_groups, remove_temporaries, write_outputs
-from rollout.renderer_service import RendererService
-from rollout.shards import (
+from rollout.data.inspect_shards import summarize
+from rollout.data.outputs import check_resume, complete_groups, drop_groups, remove_temporaries, write_outputs
+from rollout.data.shards import (
     DATA_DIR,
     MANIFEST,
     ShardCorrupt,
@@ -26,6 +25,7 @@ from rollout.shards import (
     read_manifest,
     read_table,
 )
+from rollout.renderer_service import RendererService
 
 from ._support import tiny_tmpfs, tokenizer_dir
 from .test_data import synthetic_row

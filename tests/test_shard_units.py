@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
+from rollout.data.shards import DATA_DIR, ShardWriter, read_table
 from rollout.renderer_service import RendererService
-from rollout.shards import DATA_DIR, ShardWriter, read_table
 from rollout.turns import RolloutMeta
 
 from ._support import tokenizer_dir

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 
 import tito_renderers as renderers
-from rollout.samples import SampleBuilder
-from rollout.shards import MANIFEST, SCHEMA, SCHEMA_VERSION, ShardWriter, read_table, write_manifest
+from rollout.data.samples import SampleBuilder
+from rollout.data.shards import MANIFEST, SCHEMA, SCHEMA_VERSION, ShardWriter, read_table, write_manifest
 
 from ._support import ours
 

@@ -14,12 +14,10 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from rollout.data import Sample, iter_samples, open_shards, read_step, sample_filter
-from rollout.follow import layout
-from rollout.outputs import complete_groups, drop_groups, write_outputs
-from rollout.packing import pack, pad
-from rollout.renderer_service import RendererService
-from rollout.shards import (
+from rollout.data import Sample, iter_samples, layout, open_shards, read_step, sample_filter
+from rollout.data.outputs import complete_groups, drop_groups, write_outputs
+from rollout.data.packing import pack, pad
+from rollout.data.shards import (
     DATA_DIR,
     SCHEMA,
     VERSION_COLUMNS,
@@ -29,6 +27,7 @@ from rollout.shards import (
     rows_to_table,
     write_manifest,
 )
+from rollout.renderer_service import RendererService
 from rollout.turns import Finished, RolloutMeta, SampledTurn
 
 from ._support import tokenizer_dir
@@ -219,7 +218,7 @@ def test_schema_2_shards_read_beside_schema_3_ones(tmp_path, fmt):
 def test_resume_repair_rewrites_a_schema_2_file_with_derived_versions(tmp_path):
     """The resume steps on an old directory (tito run --resume runs them; tests/test_run.py runs the
     whole resume): check, find the broken group, rewrite its file in schema 3."""
-    from rollout.outputs import check_resume
+    from rollout.data.outputs import check_resume
 
     out = tmp_path / "out"
     one = {"segment_count": 1, "breaks": "[]"}

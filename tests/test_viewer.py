@@ -15,9 +15,9 @@ from html.parser import HTMLParser
 import pytest
 
 from rollout.data import open_shards
+from rollout.data.viewer import token_texts, write_viewer
 from rollout.renderer_service import RendererService
 from rollout.turns import RolloutMeta, SampledTurn
-from rollout.viewer import token_texts, write_viewer
 
 from ._support import REPO, ours, tokenizer_dir
 
@@ -218,7 +218,7 @@ def test_tito_inspect_html_and_bad_sample(shards, tmp_path, capsys):
 
 
 def test_terminal_sample_has_no_ansi_outside_a_terminal(shards):
-    from rollout.inspect_shards import inspect
+    from rollout.data.inspect_shards import inspect
 
     out, rows = shards
     plain = inspect(out, sample=1, tokenizer=ours(QWEN3))  # stdout here is pytest's capture: not a terminal

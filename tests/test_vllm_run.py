@@ -51,7 +51,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def _table(out: Path) -> pa.Table:
-    from rollout.shards import DATA_DIR, read_table
+    from rollout.data.shards import DATA_DIR, read_table
 
     files = sorted((out / DATA_DIR).glob("*.arrow"))
     assert files, f"no shard files in {out / DATA_DIR}"

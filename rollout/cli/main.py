@@ -120,7 +120,7 @@ def cmd_pull(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from ..export import describe, export
+    from ..data.export import describe, export
 
     try:
         result = export(args.dir, args.to, args.out, env_name=args.env_name, temperature=args.temperature)

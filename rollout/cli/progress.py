@@ -105,7 +105,7 @@ class Progress:
 
     def watch(self, folder: str | Path) -> None:
         """Count as *written* the rollouts in shard files that appear in ``folder`` from now on."""
-        from ..shards import output_shards
+        from ..data.shards import output_shards
 
         self._watched = Path(folder)
         self._before = {p.name for p in output_shards(self._watched)} if self._watched.is_dir() else set()
@@ -115,7 +115,7 @@ class Progress:
         ``min_interval_s``; each new file's ``segment_index`` column is read once)."""
         if self._watched is None or time.perf_counter() - self._last_scan < min_interval_s:
             return self.written
-        from ..shards import ShardCorrupt, output_shards, read_table
+        from ..data.shards import ShardCorrupt, output_shards, read_table
 
         self._last_scan = time.perf_counter()
         try:

@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 
 from .. import startup
 from ..config import RunConfig
+from ..data.outputs import check_resume, complete_groups, drop_groups, remove_temporaries, write_failure, write_outputs
+from ..data.shards import DATA_DIR, ShardWriteError, output_shards, read_table, write_error_of
 from ..handles import EngineHandle, RendererHandle
 from ..loop import AllEnginesDied, RolloutDriver
-from ..outputs import check_resume, complete_groups, drop_groups, remove_temporaries, write_failure, write_outputs
-from ..shards import DATA_DIR, ShardWriteError, output_shards, read_table, write_error_of
 from ..startup import STOP_SIGNALS, Placement, in_main_thread
 from .progress import Progress, ready_line, startup_line
 
@@ -137,7 +137,7 @@ def _check_unique_ids(tasks: list, env_name: str) -> None:
 
 def done_rollouts(out_dir: Path) -> set[str]:
     """Rollout ids already written to finished shard files (for --resume); reads one column."""
-    from ..data import open_shards
+    from ..data.readers import open_shards
 
     if not output_shards(out_dir):
         return set()
@@ -169,7 +169,7 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
     from ..envs import load_tasks, make_env
 
     if follow is not None:
-        from ..follow import layout
+        from ..data import layout
 
         if resume:
             raise ValueError("--resume is for a batch run: a --follow run always goes on from its last sealed batch")
@@ -201,7 +201,7 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
     if resume:
         done, broken = complete_groups(out_dir, cfg.group_size)
         # partial or duplicated groups (written by versions that split groups across files) are
-        # removed from their files and run again whole: see rollout/outputs.py
+        # removed from their files and run again whole: see rollout/data/outputs.py
         repaired = sorted(broken)
         drop_groups(out_dir, broken)
         keep = [t for t in tasks if t.task_id not in done]

@@ -99,7 +99,7 @@ def cmd_inspect(args) -> int:
 
     from tito_renderers import load_tokenizer
 
-    from ..inspect_shards import _sample, inspect
+    from ..data.inspect_shards import _sample, inspect
     from ..models import resolve_model
     from .progress import use_color
 

@@ -254,7 +254,7 @@ def processed_log_softmax(
     """The log-probs ``[m, vocab]`` of the distribution each row is sampled from (temperature > 0):
     logits / temperature, keep the top-k (``k <= 0`` or ``>= vocab``: all), then the smallest set of
     most likely tokens whose mass reaches top_p (the most likely always stays); filtered tokens get -inf.
-    The trainer side recomputes logprobs with this same function (rollout.packing)."""
+    The trainer side recomputes logprobs with this same function (rollout.data.packing)."""
     vocab = logits.shape[-1]
     temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)
     x = logits / temps[:, None]

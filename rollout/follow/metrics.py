@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from . import layout
+from ..data import layout
 
 RUN_ID_FILE = ".wandb_run_id"
 DEFAULT_PROJECT = "tito"

@@ -26,7 +26,7 @@ but whose values differ from the embeddings is refused, since every loader would
 
 Atomicity: everything is written into a hidden temporary directory in ``broadcasts/`` and fsynced, the
 directory is renamed to ``step_{version}``, and only then is the empty ``STABLE`` file created and fsynced:
-a reader that waits for ``STABLE`` (``rollout.follow.layout.stable_versions``) never sees a partial
+a reader that waits for ``STABLE`` (``rollout.data.layout.stable_versions``) never sees a partial
 checkpoint, and a directory without ``STABLE`` is never read. On any failure the temporary (and a
 ``step_{version}`` this call renamed into place) is removed, and the error propagates.
 
@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .layout import STABLE, broadcast_dir, stable_versions
+from ..data.layout import STABLE, broadcast_dir, stable_versions
 
 if TYPE_CHECKING:
     import torch

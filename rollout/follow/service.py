@@ -35,11 +35,9 @@ from typing import Any
 import pyarrow.compute as pc
 
 from ..config import RunConfig
-from ..envs.base import Task
-from ..handles import EngineHandle, RendererHandle
-from ..loop import AllEnginesDied, RolloutDriver, RolloutOutcome, gather_settling, is_actor_death
-from ..outputs import rollout_totals
-from ..shards import (
+from ..data import layout
+from ..data.outputs import rollout_totals
+from ..data.shards import (
     CHECKSUM,
     DATA_DIR,
     SUMMARY,
@@ -50,7 +48,9 @@ from ..shards import (
     write_json_atomic,
     write_manifest,
 )
-from . import layout
+from ..envs.base import Task
+from ..handles import EngineHandle, RendererHandle
+from ..loop import AllEnginesDied, RolloutDriver, RolloutOutcome, gather_settling, is_actor_death
 from .metrics import MetricsSink
 
 # the engine backends whose update_weights(keep_running=True) stamps each token's version (follow.inflight keep)

@@ -23,7 +23,7 @@ BROADCASTS = "broadcasts"
 ROLLOUTS = "rollouts"
 STABLE = "STABLE"
 METRICS = "metrics.jsonl"
-SEALED = "_manifest.json"  # rollout.shards.MANIFEST: written last, so it marks a sealed batch
+SEALED = "_manifest.json"  # rollout.data.shards.MANIFEST: written last, so it marks a sealed batch
 
 _STEP = re.compile(r"step_(\d+)")
 

@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .data import open_shards, shard_files
+from .readers import open_shards, shard_files
 
 # Distinct pastel backgrounds for message 0, 1, 2, ... (cycled); scaffolding (-1) is grey.
 PALETTE = ["#cfe3ff", "#ffe0b3", "#d4f5d0", "#f6d0f0", "#fff3a8", "#d0f0f5", "#ffd6d6", "#e2d9ff",

@@ -1,5 +1,5 @@
 """``tito inspect PATH``: what a shard directory (or file) holds, and one sample with its trainable
-tokens highlighted (ANSI in a terminal, plain marks in a pipe), or an HTML viewer (rollout/viewer.py)."""
+tokens highlighted (ANSI in a terminal, plain marks in a pipe), or an HTML viewer (rollout/data/viewer.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from .data import open_shards, shard_files
+from .readers import open_shards, shard_files
 
 
 def _open(path: str | Path):
@@ -124,7 +124,7 @@ def inspect(path: str | Path, *, sample: int = 0, html_out: str | None = None, t
             color: bool = False) -> str:
     """The summary text, plus the sample rendered for the terminal (``color``: ANSI colours; the command
     line asks for them on a terminal without NO_COLOR), or ``limit`` samples from ``sample`` written as an HTML viewer
-    (rollout/viewer.py; token ids instead of text without a tokenizer)."""
+    (rollout/data/viewer.py; token ids instead of text without a tokenizer)."""
     summary = summarize(path)
     lines = [f"  {k:<28} {v}" for k, v in summary.items()]
     text = "shards: " + str(path) + "\n" + "\n".join(lines)

@@ -3,7 +3,7 @@
 A shard source (one file, a directory of shards, a glob, or a list of those) opens as a
 ``pyarrow.dataset.Dataset``: nothing is loaded until it is iterated, and iteration streams record
 batches, so a directory larger than memory is fine. Arrow IPC shards (``.arrow``, the *file* format
-``rollout.shards.ShardWriter`` writes) open with dataset format ``"ipc"``, Parquet with ``"parquet"``;
+``rollout.data.shards.ShardWriter`` writes) open with dataset format ``"ipc"``, Parquet with ``"parquet"``;
 a directory holding both opens as a union of the two.
 
 Filters are pyarrow compute expressions (:func:`sample_filter`) so the dataset scanner applies them per
@@ -294,9 +294,9 @@ def read_step(run_dir: str | Path, k: int, *, timeout: float | None = None, poll
     Waiting sleeps ``poll_s`` between checks (no busy loop); ``timeout`` seconds without the seal raise
     :class:`TimeoutError` naming the step and the directory (None: wait for ever). ``verify`` (default)
     checks the files the manifest lists before reading: a missing file or a sha256 that differs raises
-    :class:`~rollout.shards.ShardCorrupt` naming it, as ``tito inspect`` and ``tito run --resume`` do.
+    :class:`~rollout.data.shards.ShardCorrupt` naming it, as ``tito inspect`` and ``tito run --resume`` do.
     Only the files the manifest lists are read. Needs neither torch (unless ``torch=True``) nor Ray."""
-    from .follow import layout
+    from . import layout
     from .outputs import check_integrity
     from .shards import DATA_DIR, ShardCorrupt, read_manifest
 
