@@ -2,7 +2,11 @@
 task loaders. See docs/environments.md.
 
 Built-ins: ``arithmetic`` (single turn), ``try_again`` (user feedback turns), ``calculator`` (a safe
-arithmetic tool), ``python`` (a sandboxed Python tool).
+arithmetic tool), ``python`` (a sandboxed Python tool). A new environment is a module here and a line in
+registry.py; adapters for other ecosystems' environments go here too.
+
+It may import tito_renderers' message types and nothing else in rollout/: the loop calls it, never the
+other way round.
 """
 
 from __future__ import annotations
