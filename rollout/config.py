@@ -152,6 +152,11 @@ class FollowConfig(_Strict):
         "keep (continue in place under the new weights on the KV the old ones computed, each token stamped with "
         "the version that sampled it; embedded and replay engines only, see docs/follow.md)"))
     poll_interval_s: float = Field(0.5, gt=0, le=60, description="how often broadcasts/ is scanned for new weights")
+    status_interval_s: float = Field(2.0, gt=0, le=5, description=(
+        "how often RUN_DIR/status.json is rewritten, idle included (`tito status` calls it gone after 3 intervals)"))
+    stall_after_s: float = Field(300.0, gt=0, description=(
+        "`tito status` reports the service stalled when nothing progressed (a rollout finished, a batch was admitted "
+        "or sealed, new weights loaded) for this long"))
 
 
 class RayConfig(_Strict):

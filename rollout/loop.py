@@ -131,6 +131,7 @@ class RolloutDriver:
         self._in_flight: dict[str, int] = {}
         self._update_aborts: set[str] = set()
         self.resumed_turns = 0  # turns a weight update stopped and that went on under the new weights
+        self.resumed_by_rollout: Counter[str] = Counter()  # the same, per rollout id (follow: each batch's own)
 
     # ---- groups ----------------------------------------------------------------------------------
 
@@ -293,6 +294,7 @@ class RolloutDriver:
             if resumed and len(ids) < request.sampling.max_tokens:
                 piece += 1
                 self.resumed_turns += piece == 1
+                self.resumed_by_rollout[session] += piece == 1
                 continue
             spans = versions if len(set(versions)) > 1 else None
             if piece == 0:  # one request; kept running through an update, the engine stamped each token

@@ -83,7 +83,8 @@ def one_run(config: str, s: int, steps: int, train_s: float, source: Path, group
             proc.terminate()
             proc.wait(60)
         shutil.rmtree(run_dir, ignore_errors=True)
-    updates = [u["stable_to_resumed_s"] for m in metrics for u in m["weight_updates"]]
+    # overlapping batches may both list one load: each counted once
+    updates = [u["stable_to_resumed_s"] for u in {u["version"]: u for m in metrics for u in m["weight_updates"]}.values()]
     return {"s": s, "wall_s": round(wall, 2), "batch_s": [m["batch_s"] for m in metrics],
             "update_s": round(statistics.median(updates), 3) if updates else None,
             "staleness": [m["staleness"] for m in metrics]}

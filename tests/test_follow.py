@@ -236,8 +236,9 @@ def check_mid_turn_update(run_dir: Path, model_path: str, model, base: dict, *, 
         assert kept_gap > 1e-3, kept_gap
     metrics = [json.loads(line) for line in (run_dir / layout.METRICS).read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
-    updates = [u for m in metrics for u in m["weight_updates"]]
-    assert [u["version"] for u in updates] == [1]
+    # each batch lists the loads in its own window; overlapping batches may both list one (docs/follow.md)
+    updates = list({u["version"]: u for m in metrics for u in m["weight_updates"]}.values())
+    assert [u["version"] for u in updates] == [1] and metrics[-1]["total_weight_updates"] == 1
     assert (updates[0]["aborted_requests"] >= 1) == (inflight == "abort_resume")  # keep and drain: 0
     manifest = read_manifest(layout.step_dir(run_dir, 2))
     assert manifest["follow"]["step"] == 2 and manifest["follow"]["min_version"] == 0

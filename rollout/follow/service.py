@@ -52,6 +52,7 @@ from ..envs.base import Task
 from ..handles import EngineHandle, RendererHandle
 from ..loop import AllEnginesDied, RolloutDriver, RolloutOutcome, gather_settling, is_actor_death
 from .metrics import MetricsSink
+from .status import StatusWriter
 
 # the engine backends whose update_weights(keep_running=True) stamps each token's version (follow.inflight keep)
 KEEPS_RUNNING = frozenset({"embedded", "replay"})
@@ -116,9 +117,16 @@ class WeightFollower:
         self.poll_interval_s = poll_interval_s
         self.log = log
         self.version = start_version  # the version every engine holds
+        self.engine_versions: list[int] = [start_version] * len(self.engines)  # each engine's (status.json)
         self.refused: dict[int, float] = {}  # version -> STABLE mtime of a checkpoint that was refused
-        self.updates: list[dict[str, Any]] = []  # one record per load, taken by the next sealed batch's metrics
+        # one record per load, with the unix time it completed (``at``): each batch lists those in its window
+        self.loads: list[dict[str, Any]] = []
         self.changed = asyncio.Condition()
+        # what status.json shows: the phase of a load in progress, its checkpoint and since when, the last failure
+        self.phase: str | None = None  # "validating" | "loading"
+        self.phase_of: tuple[int, float] | None = None  # (version, since)
+        self.last_error: dict[str, Any] | None = None
+        self.on_change: Callable[[], None] = lambda: None
 
     def newest(self) -> int | None:
         """The newest stable version newer than the engines' and not already refused (as it is now)."""
@@ -149,7 +157,23 @@ class WeightFollower:
             await self.poll_once()
             await asyncio.sleep(self.poll_interval_s)
 
+    def _phase(self, phase: str | None, n: int | None = None) -> None:
+        self.phase = phase
+        self.phase_of = None if n is None else (n, time.time())
+        self.on_change()
+
+    def _error(self, message: str) -> None:
+        self.last_error = {"message": message, "at": round(time.time(), 3)}
+        self.log(message)
+
     async def load(self, n: int) -> bool:
+        self._phase("validating", n)
+        try:
+            return await self._load(n)
+        finally:
+            self._phase(None)
+
+    async def _load(self, n: int) -> bool:
         path = layout.broadcast_dir(self.run_dir, n)
         stable_mtime = (path / layout.STABLE).stat().st_mtime
         seen = time.time()
@@ -164,9 +188,10 @@ class WeightFollower:
                     self.holder.router.drop_engine(live[0])
                     continue
                 self.refused[n] = stable_mtime
-                self.log(f"weights {path} refused: {exc}; the engines stay on version {self.version}")
+                self._error(f"weights {path} refused: {exc}; the engines stay on version {self.version}")
                 return False
         t1 = time.perf_counter()
+        self._phase("loading", n)
         try:
             aborted = await self.holder.hold_for_update(self.inflight)  # type: ignore[arg-type]
             t2 = time.perf_counter()
@@ -184,13 +209,15 @@ class WeightFollower:
                     self.holder.router.drop_engine(i)
                 else:
                     failed.append(r)
+            else:
+                self.engine_versions[i] = n
         self._live()  # every engine died during the load: the service ends (AllEnginesDied), nothing to wait for
         if failed:
             # validated yet refused by an engine: those that loaded it stamp version n, the others keep theirs,
             # and each token records the version that sampled it, so the sealing check still holds
             self.refused[n] = stable_mtime
-            self.log(f"weights {path}: {len(failed)} of {len(live)} engines failed to load it "
-                     f"({failed[0]}); the others hold version {n}")
+            self._error(f"weights {path}: {len(failed)} of {len(live)} engines failed to load it "
+                        f"({failed[0]}); the others hold version {n}")
             return False
         async with self.changed:
             self.version = n
@@ -199,8 +226,8 @@ class WeightFollower:
                   "load_s": round(t3 - t2, 3), "aborted_requests": aborted,
                   # STABLE written -> every engine generating again under the new weights (poll delay included)
                   "stable_to_resumed_s": round(time.time() - stable_mtime, 3),
-                  "detect_s": round(max(0.0, seen - stable_mtime), 3)}
-        self.updates.append(record)
+                  "detect_s": round(max(0.0, seen - stable_mtime), 3), "at": round(time.time(), 3)}
+        self.loads.append(record)
         held = ("the turns in flight kept running under them" if self.inflight == "keep"
                 else f"{aborted} turns stopped to go on under them")
         self.log(f"weights v{n} loaded in {record['load_s']:.2f} s (validated in {record['validate_s']:.2f} s; "
@@ -231,6 +258,14 @@ class FollowService:
         self.t0 = time.time()
         self.status = "starting"
         self._batches: list[asyncio.Task] = []
+        # each batch's window (unix times): its admission began (waiting for weights if it must), it was
+        # admitted, its last rollout ended; the weight loads in the window are its metrics line's
+        self._wait_started: dict[int, float] = {}
+        self._admitted_at: dict[int, float] = {}
+        self._sampling: set[int] = set()  # batches whose rollouts are running
+        self._waiting: tuple[int, int, float] | None = None  # (batch, version it needs, since) at admission
+        self._stopping = False
+        self.status_writer: StatusWriter | None = None
 
     @property
     def last_step(self) -> int | None:
@@ -249,6 +284,22 @@ class FollowService:
         if self.sealed:
             self.log(f"resuming {self.run_dir} after sealed batch {self.sealed}")
         self.metrics = MetricsSink(self.run_dir, self.config, log=self.log)  # metrics.jsonl (+ W&B if configured)
+        self.status_writer = StatusWriter(self.run_dir, self.status_snapshot, interval_s=self.follow.status_interval_s,
+                                          stall_after_s=self.follow.stall_after_s)
+        self.weights.on_change = self.status_writer.poke
+        self.status_writer.start()
+        self._wait_started[self.first_step] = time.time()  # the start-up load below is in batch 1's window
+        try:
+            return await self._run()
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError | KeyboardInterrupt):
+                self.weights.last_error = {"message": f"{type(exc).__name__}: {exc}", "at": round(time.time(), 3)}
+            raise
+        finally:
+            self._stopping = True
+            self.status_writer.close(state="stopped")
+
+    async def _run(self) -> int:
         # a restarted service first loads the trainer's newest weights, so admission sees the real version
         await self.weights.poll_once()
         watcher = asyncio.create_task(self.weights.watch(), name="tito-follow-weights")
@@ -265,6 +316,8 @@ class FollowService:
                             await self._seal_sampled(self._batches[:before])
                         raise t.exception()
         finally:
+            self._stopping = True
+            self.status_writer.poke()
             for t in (watcher, admitter, *self._batches):
                 t.cancel()
             await asyncio.gather(watcher, admitter, *self._batches, return_exceptions=True)
@@ -292,8 +345,12 @@ class FollowService:
     async def _admit_all(self) -> None:
         k = self.first_step
         while self.last_step is None or k <= self.last_step:
+            self._wait_started.setdefault(k, time.time())
             await self._admit(k)
+            self._admitted_at[k] = time.time()
+            self._sampling.add(k)
             self._batches.append(asyncio.create_task(self._run_batch(k), name=f"tito-follow-step-{k}"))
+            self.status_writer.poke()
             k += 1
 
     async def _admit(self, k: int) -> None:
@@ -306,8 +363,13 @@ class FollowService:
                        f"{self.weights.version} (follow.max_off_policy_steps {self.follow.max_off_policy_steps}); "
                        f"{self.sealed} batches sealed")
         self.log(self.status)
-        async with self.weights.changed:
-            await self.weights.changed.wait_for(lambda: self.weights.version >= need)
+        self._waiting = (k, need, time.time())
+        self.status_writer.poke()
+        try:
+            async with self.weights.changed:
+                await self.weights.changed.wait_for(lambda: self.weights.version >= need)
+        finally:
+            self._waiting = None
         self.status = f"batch {k} admitted under version {self.weights.version}"
 
     async def _run_batch(self, k: int) -> None:
@@ -316,25 +378,100 @@ class FollowService:
         need = min_version(k, self.follow.max_off_policy_steps)
         admitted_at = self.weights.version
         groups = self.pool.draw(k, self.follow.groups_per_step)
-        outcomes = await gather_settling(
-            self.driver.run_group(task, g, group_id=f"{task.task_id}@{k}.{j}", out_dir=str(out_dir), min_version=need)
-            for j, (g, task) in enumerate(groups))
+        try:
+            outcomes = await gather_settling(
+                self.driver.run_group(task, g, group_id=f"{task.task_id}@{k}.{j}", out_dir=str(out_dir),
+                                      min_version=need)
+                for j, (g, task) in enumerate(groups))
+        finally:
+            self._sampling.discard(k)
+        info = self._batch_info(k, [o for group in outcomes for o in group], admitted_at, started)
+        self.status_writer.poke()
         async with self._sealed_changed:  # batches seal in order: the sealed ones are always 1..m
             await self._sealed_changed.wait_for(lambda: self.sealed == k - 1)
         files = await _close_outputs(self.renderers, str(out_dir))
         flat = [o for group in outcomes for o in group]
-        updates, self.weights.updates = self.weights.updates, []
-        info = {"admitted_at_version": admitted_at, "version_at_seal": self.weights.version,
-                "batch_s": round(time.time() - started, 3), "elapsed_s": round(time.time() - self.t0, 3),
-                "resumed_turns": self.driver.resumed_turns, "weight_updates": updates}
+        info.update(version_at_seal=self.weights.version, batch_s=round(time.time() - started, 3))
         line = seal_batch(self.run_dir, k, files=files, outcomes=flat, bound=need, info=info, config=self.config)
-        self.metrics.log(line)
+        self.metrics.log({**line, **self._totals()})
         async with self._sealed_changed:
             self.sealed = k
             self._sealed_changed.notify_all()
+        self.status_writer.poke()
         r = line["reward"]
         self.log(f"batch {k} sealed: {line['samples']} samples ({line['withheld']} withheld), reward mean "
                  f"{r.get('mean', 0.0):.3f}, staleness {line['staleness'] or '-'}, {info['batch_s']:.1f} s")
+
+    def _batch_info(self, k: int, outcomes: list[RolloutOutcome], admitted_version: int,
+                    started: float) -> dict[str, Any]:
+        """Batch k's own figures, once its rollouts ended: its window, the weight loads in it, its resumed turns.
+
+        The window opens when batch k's admission began (right after batch k - 1 was admitted; the service's
+        start for the first) and closes now. A load before k was admitted is one it waited for (``during``
+        ``admission``), one after is one its rollouts ran through (``sampling``). Batches overlap when S >= 1,
+        so one load can be listed by two batches; ``total_weight_updates`` counts each once."""
+        end = time.time()
+        opened = self._wait_started.get(k, started)
+        admitted = self._admitted_at.get(k, started)
+        updates = [{**r, "during": "admission" if r["at"] < admitted else "sampling"}
+                   for r in self.weights.loads if opened <= r["at"] <= end]
+        resumed = sum(self.driver.resumed_by_rollout.pop(o.rollout_id, 0) for o in outcomes)
+        return {"admitted_at_version": admitted_version, "admission_wait_s": round(admitted - opened, 3),
+                "sampling_s": round(end - admitted, 3), "resumed_turns": resumed, "weight_updates": updates}
+
+    def _totals(self) -> dict[str, Any]:
+        """The running totals a metrics line carries beside the batch's own figures (since this service started)."""
+        return {"total_elapsed_s": round(time.time() - self.t0, 3), "total_resumed_turns": self.driver.resumed_turns,
+                "total_weight_updates": len(self.weights.loads)}
+
+    def status_snapshot(self) -> dict[str, Any]:
+        """The service's part of status.json (rollout/follow/status.py). Runs on the status writer's thread:
+        it only reads attributes (a set or dict changing size meanwhile raises RuntimeError: the next write)."""
+        w, now = self.weights, time.time()
+        alive = set(self.driver.router.alive())
+        sampling = sorted(self._sampling)
+        admitted = sorted(self._admitted_at)
+        unsealed = [k for k in admitted if k > self.sealed]
+        waiting = self._waiting
+        waiting_for = None
+        if w.phase is not None and w.phase_of is not None:
+            n, since = w.phase_of
+            verb = "validated" if w.phase == "validating" else "loaded into every engine"
+            waiting_for = {"what": f"{layout.broadcast_dir(self.run_dir, n)} to be {verb}", "since": round(since, 3)}
+        elif sampling:
+            waiting_for = {"what": f"the rollouts of batch {sampling[0]}",
+                           "since": round(self._admitted_at.get(sampling[0], now), 3)}
+        elif unsealed:
+            waiting_for = {"what": f"batch {unsealed[0]} to be sealed", "since": round(now, 3)}
+        elif waiting is not None:
+            k, need, since = waiting
+            waiting_for = {"what": f"weights: batch {k} needs version >= {need}, the engines hold {w.version} "
+                                   f"(follow.max_off_policy_steps {self.follow.max_off_policy_steps})",
+                           "since": round(since, 3)}
+        if self._stopping:
+            state = "stopping"
+        elif w.phase is not None:
+            state = w.phase
+        elif unsealed:
+            state = "sampling"
+        elif waiting is not None:
+            state = "waiting_for_weights"
+        else:
+            state = "starting"
+        batch = unsealed[0] if unsealed else waiting[0] if waiting is not None else self.sealed + 1
+        return {
+            "state": state, "batch": batch, "sealed": self.sealed, "sampling": sampling,
+            "next_batch_needs": None if waiting is None else {"batch": waiting[0], "version": waiting[1],
+                                                              "since": round(waiting[2], 3)},
+            "version": [w.engine_versions[i] if i in alive else None for i in range(len(w.engines))],
+            "engines_alive": len(alive), "engines_configured": len(w.engines),
+            "rollouts_done": sum(self.driver.finish_counts.values()),
+            "waiting_for": waiting_for, "last_error": w.last_error,
+            "run_dir": str(self.run_dir), "argv": list(sys.argv),
+            "max_steps": self.last_step, "max_off_policy_steps": self.follow.max_off_policy_steps,
+            # what counts as progress (status.py: progressed_at moves when it changes)
+            "progress": (self.sealed, len(admitted), sum(self.driver.finish_counts.values()), w.version),
+        }
 
 
 async def _close_outputs(renderers: Sequence[RendererHandle], out_dir: str) -> list[dict]:
