@@ -185,10 +185,12 @@ def build_parser(placement: Placement | None = None) -> argparse.ArgumentParser:
     from .doctor import register as register_doctor
     from .run_cmd import register
     from .serve_cmd import register as register_serve
+    from .status import register as register_status
 
     register(sub, placement)
     register_serve(sub, placement)
     register_doctor(sub)
+    register_status(sub)
     return parser
 
 

@@ -408,12 +408,14 @@ class FollowService:
 
         The window opens when batch k's admission began (right after batch k - 1 was admitted; the service's
         start for the first) and closes now. A load before k was admitted is one it waited for (``during``
-        ``admission``), one after is one its rollouts ran through (``sampling``). Batches overlap when S >= 1,
+        ``admission``: its version <= the one admitted under), one after is one its rollouts ran through
+        (``sampling``). Batches overlap when S >= 1,
         so one load can be listed by two batches; ``total_weight_updates`` counts each once."""
         end = time.time()
         opened = self._wait_started.get(k, started)
         admitted = self._admitted_at.get(k, started)
-        updates = [{**r, "during": "admission" if r["at"] < admitted else "sampling"}
+        # by version, not time: the batch was admitted under the loads up to admitted_version
+        updates = [{**r, "during": "admission" if r["version"] <= admitted_version else "sampling"}
                    for r in self.weights.loads if opened <= r["at"] <= end]
         resumed = sum(self.driver.resumed_by_rollout.pop(o.rollout_id, 0) for o in outcomes)
         return {"admitted_at_version": admitted_version, "admission_wait_s": round(admitted - opened, 3),
