@@ -6,7 +6,7 @@ the trainer publishes weights as ``broadcasts/step_N/`` (``STABLE`` last), tito 
 batch k comes from a version >= k - 1 - ``follow.max_off_policy_steps``.
 
 Modules: ``publish`` (the trainer's side: publish weights), ``service`` (the rollout side: admission,
-weight following, sealing), ``metrics`` (metrics.jsonl and W&B). The directory protocol both sides share
+weight following, sealing), ``metrics`` (metrics.jsonl and W&B), ``status`` (status.json). The directory protocol both sides share
 is rollout/data/layout.py; the trainer reads batches with ``rollout.data.read_step``.
 
 It may import the loop core (rollout/loop.py, handles, config), rollout/data, rollout/engines (checkpoint
