@@ -37,8 +37,10 @@ def line(k: int, reward: float = 0.5) -> dict[str, Any]:
             "reward": {"min": 0.0, "mean": reward, "max": 1.0}, "completion_tokens": 900,
             "staleness": {"0": 5, "1": 2}, "token_staleness_mean": 0.25,
             "tokens_per_version": {str(k - 2): 100, str(k - 1): 800}, "spanning_versions": 1, "errors": 0,
-            "admitted_at_version": k - 1, "version_at_seal": k - 1, "batch_s": 1.5, "elapsed_s": 3.0 * k,
-            "resumed_turns": 0, "weight_updates": [{"version": k - 1, "load_s": 0.4, "aborted_requests": 3}]}
+            "admitted_at_version": k - 1, "version_at_seal": k - 1, "admission_wait_s": 0.2, "sampling_s": 1.2,
+            "batch_s": 1.5, "resumed_turns": 0,
+            "weight_updates": [{"version": k - 1, "load_s": 0.4, "aborted_requests": 3, "during": "admission"}],
+            "total_elapsed_s": 3.0 * k, "total_resumed_turns": 2, "total_weight_updates": k - 1}
 
 
 @pytest.fixture
