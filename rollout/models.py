@@ -176,9 +176,11 @@ def model_dir(name_or_path: str | os.PathLike, *, fetch: bool = False) -> Path:
 
 
 def load_causal_lm(name_or_path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | None = None,
-                   fetch: bool = False) -> PreTrainedModel:
+                   fetch: bool = False, like: PreTrainedModel | None = None) -> PreTrainedModel:
     """A causal LM in eval mode from an HF directory (safetensors), a GGUF file or an alias (pulled first
-    when missing and ``fetch``). fp32 by default: on CPU, bf16 changes sampled-token logprobs by tenths of
+    when missing and ``fetch``). With ``like``, the model is built on a copy of ``like``'s config and generation
+    config and only the tensors are read: the directory needs no ``config.json`` (prime-rl's broadcasts hold
+    none), and one it holds is not used. fp32 by default: on CPU, bf16 changes sampled-token logprobs by tenths of
     a nat. Stock SDPA attention (the embedded engine swaps in its own attention function)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -186,6 +188,13 @@ def load_causal_lm(name_or_path: str | os.PathLike, *, device: str = "cpu", dtyp
     path = resolve_model(str(name_or_path), fetch=fetch)
     if path.is_file() and path.suffix == ".gguf":
         path = convert_gguf(path)
+    if like is not None:
+        import copy
+
+        # a copy: from_pretrained sets attributes on the config it is given, and ``like`` serves on with its own
+        return type(like).from_pretrained(
+            str(path), config=copy.deepcopy(like.config), generation_config=copy.deepcopy(like.generation_config),
+            dtype=dtype or torch.float32, attn_implementation="sdpa", local_files_only=True).to(device).eval()
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype or torch.float32, attn_implementation="sdpa", local_files_only=True
     )

@@ -3,8 +3,8 @@
 ::
 
     RUN_DIR/
-      broadcasts/step_N/      the trainer's weights for version N: *.safetensors + config.json, then an
-                              empty STABLE file written last (a directory without STABLE is never read)
+      broadcasts/step_N/      the trainer's weights for version N: *.safetensors (config.json optional), then
+                              an empty STABLE file written last (a directory without STABLE is never read)
       rollouts/step_k/        batch k (k = 1, 2, ...): a complete ``tito run`` output directory
                               (data/ shards, _summary.json, then _manifest.json written last: its
                               presence means the batch is sealed and will never change)

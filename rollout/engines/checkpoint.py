@@ -11,10 +11,11 @@ What a model expects is a mapping of tensor name -> :class:`TensorSpec` (shape, 
 :func:`expected_from_dir` from the safetensors headers of the model directory an engine loaded (vLLM).
 :func:`validate_checkpoint` then checks, in this order, stopping at the first problem:
 
-1. the path is a directory holding weight files (step 2); ``config.json``, when present, is a JSON object; when absent it is an error if
-   ``require_config`` (the default). The embedded engine builds the model from it (``from_pretrained``), and
-   prime-rl's broadcast layout and ``save_pretrained`` write it, so its absence means a foreign or unfinished
-   save. vLLM's in-place reload reads only the tensors, so its backend passes ``require_config=False``;
+1. the path is a directory holding weight files (step 2); ``config.json`` is optional (prime-rl's trainer writes
+   none: every engine builds the new weights on its own, served config); when present it is a JSON object and,
+   given ``served_config``, agrees with the served model on every key of :data:`ARCH_KEYS` (a checkpoint of
+   another architecture or tying is refused naming the key: loading it into the served model would leave a
+   tensor at its initial value or use one another way);
 2. the weight files: those a ``model.safetensors.index.json`` lists (what transformers and vLLM load), else every
    ``*.safetensors``; each header reads (safetensors checks that the offsets cover the file exactly, so a torn
    write is caught), no file is empty, no tensor is in two files, each tensor the index names is in its file;
@@ -59,6 +60,11 @@ CONFIG_FILE = "config.json"
 LOADABLE_FLOAT = ("F32", "BF16", "F16", "F64")
 _FLOAT = frozenset(LOADABLE_FLOAT) | {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"}
 SHOWN = 4  # names listed in a message before "(+N more)"
+# config keys that change the parameter set or how tensors are used; a checkpoint's config.json must agree on
+# each with the served model (absent keys take the served model's class default, as transformers reads them)
+ARCH_KEYS = ("model_type", "architectures", "tie_word_embeddings", "vocab_size", "hidden_size", "intermediate_size",
+             "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
+             "rope_scaling", "rope_parameters", "hidden_act", "rms_norm_eps", "attention_bias", "mlp_bias")
 
 
 class TensorSpec(msgspec.Struct, frozen=True):
@@ -188,6 +194,33 @@ def _read_config(d: Path, path: str, *, required: bool) -> dict | None:
     if not isinstance(config, dict):
         raise CheckpointError(path, f"{CONFIG_FILE} is not a JSON object (it holds a {type(config).__name__})")
     return config
+
+
+def _normalized(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A config dict as transformers reads it (defaults filled, rope_theta/rope_scaling folded into
+    rope_parameters in transformers 5); the dict itself when transformers cannot build it."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(**dict(config)).to_dict()
+    except Exception:  # noqa: BLE001 - an unknown model_type: compared as written
+        return dict(config)
+
+
+def _check_config(path: str, given: Mapping[str, Any], served: Mapping[str, Any]) -> None:
+    """Refuse a config.json that differs from the served model's on an :data:`ARCH_KEYS` key, naming it."""
+    if given.get("model_type") != served.get("model_type"):
+        raise CheckpointError(path, f"{CONFIG_FILE} sets model_type to {given.get('model_type')!r}, the served "
+                                    f"model's is {served.get('model_type')!r} (a checkpoint of another architecture)")
+    a, b = _normalized(given), _normalized(served)
+    for key in ARCH_KEYS:
+        if key == "architectures" and not given.get(key):
+            continue  # unnamed: the engine builds its own class anyway
+        if a.get(key) != b.get(key):
+            raise CheckpointError(path, f"{CONFIG_FILE} sets {key} to {a.get(key)!r}, the served model's is "
+                                        f"{b.get(key)!r}: it describes another model, which this engine cannot "
+                                        f"load into the one it serves (write the served model's {CONFIG_FILE}, "
+                                        "or none)")
 
 
 def _weight_files(d: Path, path: str) -> tuple[list[Path], dict[str, str] | None]:
@@ -334,7 +367,8 @@ def fingerprint(path: str | Path) -> str:
 
 
 def validate_checkpoint(path: str | Path, expected: Expected | None, *, check_values: bool = True,
-                        require_config: bool = True) -> CheckpointReport:
+                        require_config: bool = False,
+                        served_config: Mapping[str, Any] | None = None) -> CheckpointReport:
     """Check the checkpoint directory ``path`` against ``expected`` (None: layout and values only, for a
     backend without a model) as the module doc lists; raise :class:`CheckpointError` at the first problem,
     else return the report. Reads each tensor once when ``check_values``; never builds a model."""
@@ -345,7 +379,9 @@ def validate_checkpoint(path: str | Path, expected: Expected | None, *, check_va
         raise CheckpointError(p, "not a directory" + (" (it is a file)" if d.exists() else " (nothing is there)"))
     digest = fingerprint(d)
     _weight_files(d, p)  # "no weights" says more about an empty directory than "no config.json"
-    _read_config(d, p, required=require_config)
+    config = _read_config(d, p, required=require_config)
+    if config is not None and served_config is not None:
+        _check_config(p, config, served_config)
     found = _read_headers(d, p)
     if expected is not None:
         _check_against(p, found, expected)
@@ -362,16 +398,19 @@ class CheckpointValidator:
     check a caller ran before pausing (``validate_weights``) is not repeated inside ``update_weights`` while the
     engine is paused. Thread-safe enough for its use: a lost race only re-reads a checkpoint."""
 
-    def __init__(self, expected: Expected | None, *, require_config: bool = True) -> None:
+    def __init__(self, expected: Expected | None, *, require_config: bool = False,
+                 served_config: Mapping[str, Any] | None = None) -> None:
         self.expected = expected
         self.require_config = require_config
+        self.served_config = served_config
         self._last: CheckpointReport | None = None
 
     def __call__(self, path: str | Path) -> CheckpointReport:
         last = self._last
         if last is not None and last.path == str(path) and last.fingerprint and last.fingerprint == fingerprint(path):
             return last
-        report = validate_checkpoint(path, self.expected, require_config=self.require_config)
+        report = validate_checkpoint(path, self.expected, require_config=self.require_config,
+                                     served_config=self.served_config)
         self._last = report
         return report
 

@@ -141,7 +141,8 @@ class EmbeddedEngine:
         self.model = load_causal_lm(model, device=str(self.device), fetch=fetch)
         self.model.config._attn_implementation = register_attention()
         # what every checkpoint must match; taken once: a load that changed the architecture is refused
-        self._validate = CheckpointValidator(expected_from_model(self.model))
+        # the same config builds every later load (_load_weights), so a checkpoint's own config.json must agree
+        self._validate = CheckpointValidator(expected_from_model(self.model), served_config=self.model.config.to_dict())
         cfg = self.model.config
         self.max_batch = max_batch
         self.prefill_tokens_per_step = prefill_tokens_per_step
@@ -414,11 +415,8 @@ class EmbeddedEngine:
     def _load_weights(self, path: str) -> None:
         from ..models import load_causal_lm
 
-        new = load_causal_lm(path, device=str(self.device))
-        old = self.model.config
-        for attr in ("num_hidden_layers", "num_key_value_heads", "hidden_size", "vocab_size"):
-            if getattr(new.config, attr) != getattr(old, attr):
-                raise ValueError(f"{attr} differs: {getattr(new.config, attr)} vs {getattr(old, attr)}")
+        # built on the served model's own config: exactly the model the checkpoint was validated against
+        new = load_causal_lm(path, device=str(self.device), like=self.model)
         new.config._attn_implementation = register_attention()
         self.model = new
         self._weights_path = path  # what wake_up reloads after a sleep

@@ -447,7 +447,9 @@ class VLLMEngine:
         if self._validator is None:
             weights = await asyncio.to_thread(model_weights_dir, self._model)
             expected = None if weights is None else await asyncio.to_thread(expected_from_dir, weights)
-            self._validator = CheckpointValidator(expected, require_config=False)
+            # vLLM's reload keeps the model it built; a config.json describing another one is refused
+            model_config = getattr(self._engine, "model_config", None) or self._engine.vllm_config.model_config
+            self._validator = CheckpointValidator(expected, served_config=model_config.hf_config.to_dict())
         return await asyncio.to_thread(self._validator, str(path))
 
     # -- extras -----------------------------------------------------------------------------------------------
