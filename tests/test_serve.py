@@ -137,7 +137,13 @@ def test_generate_stop_ids_n_and_server_side_default_max_tokens(server):
      "prompt (1000 tokens) + max_tokens (100) exceeds max_model_len 1024"),
     ({"token_ids": [1] * MAX_LEN, "sampling_params": {}}, 400, "leaves no room"),
     ({"model": "gpt-4", "token_ids": [1], "sampling_params": {"max_tokens": 4}}, 400, "unknown model 'gpt-4'"),
-    ({"token_ids": [1], "sampling_params": {"max_token": 4}}, 400, "unknown field `max_token`"),
+    ({"token_ids": [1], "sampling_params": {"max_tokens": 4, "bad_words": ["a"]}}, 400,
+     "sampling_params.bad_words=['a'] is not supported"),
+    ({"token_ids": [1], "sampling_params": {"max_tokens": 4, "logit_bias": {"5": 1.0}}}, 400, "logit_bias"),
+    ({"token_ids": [1], "sampling_params": {"max_tokens": "4"}}, 400, "at `$.sampling_params.max_tokens`"),
+    ({"token_ids": [1], "sampling_params": None}, 400, "at `$.sampling_params`"),
+    ({"token_ids": [1], "cache_salt": "a", "sampling_params": {"max_tokens": 4, "cache_salt": "b"}}, 400,
+     "cache_salt 'a' and sampling_params.cache_salt 'b' differ"),
     ({"token_ids": [1], "sampling_params": {"max_tokens": 4, "stop": ["\n"]}}, 400, "stop strings"),
     ({"token_ids": [1], "sampling_params": {"max_tokens": 4, "repetition_penalty": 1.2}}, 400, "repetition_penalty"),
     ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, 400, "max_tokens=0 must be >= 1"),
@@ -150,6 +156,32 @@ def test_generate_bad_input_is_400_naming_the_problem(server, body, status, need
     got, r = post(server, "/inference/v1/generate", None if raw is not None else body, raw=raw)
     assert got == status, r
     assert needle in r["error"]["message"], r["error"]["message"]
+
+
+# prime-rl's rollout request: its extra_body merged into sampling_params by verifiers' TrainClient (see
+# docs/serve.md), the salt its policy step
+PRIME_RL_SAMPLING = {"top_k": -1, "min_p": 0.0, "return_token_ids": True, "cache_salt": "3", "temperature": 0.0,
+                     "top_p": 1.0, "max_tokens": 4, "logprobs": 1, "stop_token_ids": [2], "skip_special_tokens": False}
+
+
+def test_generate_takes_prime_rl_sampling_params_and_counts_unknown_keys(server):
+    status, r = post(server, "/inference/v1/generate", {"token_ids": [7, 8], "sampling_params": PRIME_RL_SAMPLING},
+                     headers={"X-Session-ID": "prime-rl-rollout-1"})
+    assert status == 200 and len(r["choices"][0]["token_ids"]) >= 1, r
+    # the salt in sampling_params equal to the top-level one is one salt
+    status, r = post(server, "/inference/v1/generate", {"token_ids": [7, 8], "cache_salt": "3",
+                                                        "sampling_params": PRIME_RL_SAMPLING})
+    assert status == 200, r
+    assert metric(server, "unknown_sampling_params_total", key="return_token_ids") == 0
+    # a key neither vLLM nor tito knows is ignored (as vLLM's server does), counted per key; vLLM's internal
+    # knobs and fields at values that ask for nothing are no unknown keys
+    body = {"token_ids": [7, 8], "sampling_params": {"max_tokens": 2, "tempurature": 0.5, "flat_logprobs": True,
+                                                     "bad_words": [], "watermarking": False}}
+    for _ in range(2):
+        status, r = post(server, "/inference/v1/generate", body)
+        assert status == 200, r
+    assert metric(server, "unknown_sampling_params_total", key="tempurature") == 2
+    assert metric(server, "unknown_sampling_params_total", key="flat_logprobs") == 0
 
 
 def test_models_health_and_completions(server):

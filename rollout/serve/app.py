@@ -43,6 +43,7 @@ from .schemas import (
     GenerateResponse,
     check_unsupported,
     decode,
+    decode_sampling,
     struct_values,
     weight_spans,
 )
@@ -75,8 +76,13 @@ async def generate(state: ServerState, request: Request) -> Response:
                          "output_mode")
     if body.kv_transfer_params:
         raise BadRequest("kv_transfer_params (disaggregated prefill) is not supported", "kv_transfer_params")
-    sp = body.sampling_params
+    sp, unknown = decode_sampling(body.sampling_params)
+    calls.note_unknown_sampling(state, unknown)
     check_unsupported(struct_values(sp))
+    if body.cache_salt is not None and sp.cache_salt is not None and body.cache_salt != sp.cache_salt:
+        raise BadRequest(f"cache_salt {body.cache_salt!r} and sampling_params.cache_salt {sp.cache_salt!r} differ: "
+                         "send one salt", "sampling_params.cache_salt")
+    salt = body.cache_salt if body.cache_salt is not None else sp.cache_salt
     # vLLM's check (verifiers' TrainClient sends the field on a bridged turn); no routing is returned here
     if not 0 <= sp.routed_experts_prompt_start <= len(body.token_ids):
         raise BadRequest(f"sampling_params.routed_experts_prompt_start={sp.routed_experts_prompt_start} must be in "
@@ -90,10 +96,10 @@ async def generate(state: ServerState, request: Request) -> Response:
     except BadRequest as exc:
         raise BadRequest(str(exc), exc.param if exc.param in (None, "token_ids") else
                          f"sampling_params.{exc.param}") from None
-    # The salt, else the X-Session-ID header verifiers' TrainClient and SkyRL send, keys the engine's session
-    # KV and the routing: the turns of one rollout reuse their KV on the engine that holds it.
-    header = session_header(request.headers)  # checked even when the salt wins: a blank one is a 400 anyway
-    session = body.cache_salt or header
+    # The X-Session-ID header verifiers' TrainClient and SkyRL send per rollout, else the salt, keys the engine's
+    # session KV and the routing: the turns of one rollout reuse their KV on the engine that holds it. The header
+    # wins (as on chat): prime-rl's salt is its policy step, one for every rollout of a step.
+    session = session_header(request.headers) or salt
     req = GenerateRequest(request_id=rid, prompt_ids=body.token_ids, sampling=sampling, session_id=session)
     calls.validated(state, req, prefix="sampling_params.", prompt_param="token_ids")
     out, call_s = await calls.generate(state, request, req, session)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -99,6 +100,25 @@ async def watched(request: Request, work: Awaitable[Any]) -> Any:
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in state.model_names:
         raise BadRequest(f"unknown model {model!r}: this server serves {state.model_names[0]!r}", "model")
+
+
+MAX_UNKNOWN_KEYS = 64  # distinct unknown sampling_params keys counted by name; the rest under "_other"
+
+
+def note_unknown_sampling(state: ServerState, keys: list[str]) -> None:
+    """Count ``sampling_params`` keys that vLLM's server, and so this one, ignores, and say so once per key on
+    stderr, so that a typo (``max_token``) is visible. The label's set is bounded: a client sending made-up
+    keys cannot grow /metrics without end."""
+    m = state.metrics
+    for key in keys:
+        if m.get("unknown_sampling_params_total", key=key) == 0:
+            if len(m.values.get("unknown_sampling_params_total", ())) >= MAX_UNKNOWN_KEYS or len(key) > 64:
+                key = "_other"
+            if m.get("unknown_sampling_params_total", key=key) == 0:
+                print(f"tito serve: note: ignoring the unknown key sampling_params.{key!r} on "
+                      "/inference/v1/generate (as vLLM does; counted in tito_unknown_sampling_params_total)",
+                      file=sys.stderr, flush=True)
+        m.inc("unknown_sampling_params_total", key=key)
 
 
 def max_tokens_for(state: ServerState, prompt_len: int, requested: int | None, prompt_param: str = "prompt") -> int:

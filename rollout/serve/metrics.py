@@ -122,6 +122,8 @@ def server_metrics() -> Metrics:
     m.counter("aborts_total", "requests aborted, by cause (client_disconnect, abort_requests, pause)")
     m.counter("client_disconnects_total", "clients that hung up before their answer, by stage: body (before the "
               "request body was in: nothing ran), running (the engine request was aborted; also in aborts_total)")
+    m.counter("unknown_sampling_params_total", "sampling_params keys /inference/v1/generate ignored (as vLLM "
+              "does: neither server knows them), by key (beyond 64 distinct keys: _other)")
     m.counter("engine_errors_total", "requests failed by an engine or the server (500)")
     m.counter("session_turns_total", "session chat turns, by how the prompt was built (first, bridged, break, retry)")
     m.counter("breaks_total", "session turns that could not be bridged append-only, by reason")

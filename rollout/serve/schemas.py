@@ -44,8 +44,9 @@ class TooLarge(BadRequest):
     kind = "RequestTooLargeError"
 
 
-class VLLMSamplingParams(msgspec.Struct, forbid_unknown_fields=True):
-    """vLLM's SamplingParams JSON, the subset a tokens-only engine can honour (see the module doc)."""
+class VLLMSamplingParams(msgspec.Struct):
+    """vLLM's SamplingParams JSON, the subset a tokens-only engine can honour (see the module doc). Unlike the
+    bodies, other keys are not refused here but sorted by :func:`decode_sampling`, as vLLM's server takes them."""
 
     max_tokens: int | None = None  # None: the server's default (the room left in max_model_len), not 16
     temperature: float = 1.0
@@ -69,6 +70,44 @@ class VLLMSamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    # prime-rl's orchestrator sets these in its extra_body and verifiers merges that into sampling_params;
+    # neither is a field of vLLM's SamplingParams, so vLLM's server ignores both there
+    return_token_ids: bool | None = None  # token ids are always returned on this route
+    cache_salt: str | None = None  # the request's salt when the top level has none (decode_generate)
+
+
+# vLLM's SamplingParams fields that ask for what these engines cannot do: a 400 naming the field unless sent
+# with a value that asks for nothing (vLLM's default, or an empty list/dict). watermarking=False skips a
+# watermark the engines never apply.
+VLLM_UNHONOURED: dict[str, tuple[Any, ...]] = {
+    "allowed_token_ids": (None,), "bad_words": (None, []), "logit_bias": (None, {}), "extra_args": (None, {}),
+    "logprob_token_ids": (None,), "prompt_logprob_token_ids": (None,), "prompt_logprob_start": (None,),
+    "structured_outputs": (None,), "thinking_token_budget": (None,), "repetition_detection": (None,),
+    "trace_decode_token_ids": (None,), "watermarking": (None, False),
+}
+# vLLM's fields that only tune how vLLM works inside (no token, logprob or answer of this route changes):
+# accepted and ignored, as the engines have no such machinery
+VLLM_INTERNAL = frozenset({"flat_logprobs", "skip_clone", "stream_interval", "output_text_buffer_length",
+                           "skip_reading_prefix_cache"})
+_SAMPLING_FIELDS = frozenset(VLLMSamplingParams.__struct_fields__)
+
+
+def decode_sampling(raw: bytes) -> tuple[VLLMSamplingParams, list[str]]:
+    """``sampling_params`` as vLLM's server takes it, and the keys it ignores. vLLM decodes it into its
+    SamplingParams without refusing unknown keys (prime-rl's ``return_token_ids`` and ``cache_salt`` land
+    there). Here: tito's fields are decoded strictly; vLLM's fields this server cannot honour are a 400
+    (VLLM_UNHONOURED); vLLM's internal ones are ignored; any other key is returned, for the caller to make
+    visible (a typo is otherwise silently ignored, as by vLLM)."""
+    raw = bytes(raw)  # a msgspec.Raw slice of the body
+    keys = decode(raw, dict[str, msgspec.Raw], where="sampling_params")
+    for name in keys.keys() & VLLM_UNHONOURED.keys():
+        value = msgspec.json.decode(keys[name])
+        if not any(value == v and type(value) is type(v) for v in VLLM_UNHONOURED[name]):
+            shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:80]}..."
+            raise BadRequest(f"sampling_params.{name}={shown} is not supported by the engines",
+                             f"sampling_params.{name}")
+    unknown = [k for k in keys if k not in _SAMPLING_FIELDS and k not in VLLM_UNHONOURED and k not in VLLM_INTERNAL]
+    return decode(raw, VLLMSamplingParams, where="sampling_params"), unknown
 
 
 # Accepted on the OpenAI routes (clients send them by default) and without effect: the engines have no
@@ -129,7 +168,7 @@ class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):
 
     token_ids: list[int]
     model: str | None = None
-    sampling_params: VLLMSamplingParams = msgspec.field(default_factory=VLLMSamplingParams)
+    sampling_params: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"{}"))  # decode_sampling
     request_id: str | None = None
     cache_salt: str | None = None
     priority: int = 0
@@ -372,17 +411,22 @@ def check_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> None:
         raise BadRequest(f"the JSON body is nested {depth} levels deep; at most {limit} are accepted")
 
 
-def decode(raw: bytes, type_: type) -> Any:
+def decode(raw: bytes, type_: Any, where: str = "") -> Any:
     """Decode a JSON body strictly; every problem is a BadRequest naming it (msgspec's path included,
-    and as ``param``)."""
+    and as ``param``). ``where``: the field of the body ``raw`` is (its path is put before msgspec's)."""
     if not raw:
         raise BadRequest("empty request body: expected a JSON object")
     check_depth(raw)
     try:
         return msgspec.json.decode(raw, type=type_)
     except msgspec.ValidationError as exc:
-        m = _PATH.search(str(exc))
-        raise BadRequest(f"invalid request: {exc}", m.group(1) if m else None) from None
+        message = str(exc)
+        if where:
+            at = message.rfind(" - at `$")
+            message = (f"{message[:at]} - at `$.{where}{message[at + 8:]}" if at >= 0
+                       else f"{message} - at `$.{where}`")
+        m = _PATH.search(message)
+        raise BadRequest(f"invalid request: {message}", m.group(1) if m else None) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"invalid JSON: {exc}") from None
     except RecursionError:  # nesting under the depth limit, but through a recursive Python path
