@@ -30,7 +30,7 @@ Each field, filled from tito's rows (the shards read_step returns, so withheld s
 ``input_ids`` the row's ``token_ids``; ``loss_mask`` its ``loss_mask``; ``inference_logprobs`` its
 ``logprobs`` (0 on context); ``advantages`` the row's ``advantage`` on every trainable token and 0 on
 context (prime-rl's orchestrator likewise assigns a rollout's scalar to its sampled tokens);
-``position_ids`` 0..n-1 per sample; ``temperatures`` the row's ``temperature`` on every token (0, greedy,
+``position_ids`` 0..n-1 per sample; ``temperatures`` the row's ``temperature`` on every token (0, greedy, or null,
 is written as 1.0: tito reports a greedy token's logprob from the raw log-softmax, which is the trainer's
 logits / 1.0); ``env_names`` the run's ``env.name`` on every token; ``sequence_lengths`` and ``seq_lens``
 each packed sample's length. ``ref_logprobs``, ``routed_experts``, ``mm_kwargs``, ``mm_token_type_ids`` and
