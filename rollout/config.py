@@ -137,6 +137,18 @@ class OutputConfig(_Strict):
         return value
 
 
+class PrimeRLConfig(_Strict):
+    """The prime-rl orchestrator settings its trainer's rank files are packed with (``follow.output_format:
+    prime-rl``); named and bounded as prime-rl's orchestrator config names them, so they are copied from it."""
+
+    seq_len: int = Field(2048, ge=1, description=(
+        "the trainer's sequence length: each micro batch holds at most this many tokens; a longer sample is "
+        "truncated to its first seq_len tokens, as prime-rl does"))
+    num_train_workers: int = Field(1, ge=1, description=(
+        "the trainer's data-parallel world size: one rollouts/step_k/rank_<r>.bin per rank"))
+    pad_to_multiple_of: int = Field(1, ge=1, description="pad each micro batch to a multiple of this (the trainer's cp)")
+
+
 class FollowConfig(_Strict):
     """``tito run --follow RUN_DIR`` (continuous RL, docs/follow.md): batches of groups written while a trainer
     trains, the trainer's weights loaded as they are published."""
@@ -157,6 +169,10 @@ class FollowConfig(_Strict):
     stall_after_s: float = Field(300.0, gt=0, description=(
         "`tito status` reports the service stalled when nothing progressed (a rollout finished, a batch was admitted "
         "or sealed, new weights loaded) for this long"))
+    output_format: Literal["shards", "prime-rl"] = Field("shards", description=(
+        "shards: each batch as Arrow shards (read_step); prime-rl: also as prime-rl's trainer reads it, "
+        "rollouts/step_k/rank_<r>.bin (msgspec micro batches, packed by follow.prime_rl), before the batch seals"))
+    prime_rl: PrimeRLConfig = Field(default_factory=PrimeRLConfig)
 
 
 class RayConfig(_Strict):

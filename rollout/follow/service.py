@@ -37,6 +37,8 @@ import pyarrow.compute as pc
 from ..config import RunConfig
 from ..data import layout
 from ..data.outputs import rollout_totals
+from ..data.prime_rl import PrimeRLOptions
+from ..data.prime_rl import write_step as write_prime_rl_step
 from ..data.shards import (
     CHECKSUM,
     DATA_DIR,
@@ -533,6 +535,10 @@ def seal_batch(run_dir: Path, k: int, *, files: list[dict], outcomes: list[Rollo
         "spanning_versions": sum(o.version_min != o.version_max for o in written),
         **info,
     }
+    prime_rl = PrimeRLOptions.of_run(config)
+    if prime_rl is not None:  # before the manifest: a sealed batch always has its rank files
+        follow["prime_rl"] = write_prime_rl_step(out_dir, shards, env_name=(config.get("env") or {}).get("name", ""),
+                                                 options=prime_rl)
     rewards = [o.reward for o in outcomes if o.error is None]
     summary = {**totals, "follow": follow, "group_size": config.get("group_size"), "model": config.get("model"),
                "config": config}
