@@ -186,6 +186,44 @@ def test_verifiers_train_client_bridged_turn_request(server):
     assert status == 400 and r["error"]["param"] == "sampling_params.routed_experts_prompt_start", r
 
 
+PRIME_RL_SCRIPT = """
+import asyncio, json, sys
+from openai import AsyncOpenAI
+from renderers import DefaultRendererConfig, create_renderer
+from renderers.base import load_tokenizer
+from renderers.client import generate
+
+async def main(url, tokenizer_dir, model, extra_body):
+    renderer = create_renderer(load_tokenizer(tokenizer_dir), DefaultRendererConfig())
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    # verifiers' TrainClient at a60a606: sampling_params = dict(extra_body), then the sampling args over it
+    sampling = {**extra_body, "temperature": 0.0, "top_p": 1.0, "max_tokens": 8}
+    out = await generate(client=client, renderer=renderer, model=model, sampling_params=sampling,
+                         messages=[{"role": "user", "content": "Name a colour."}],
+                         extra_headers={"X-Session-ID": "prime-rl-trace-0"})
+    print(json.dumps({k: out[k] for k in ("prompt_ids", "completion_ids", "completion_logprobs", "finish_reason")}))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])))
+"""
+# prime-rl's extra_body on every policy-sourced env (resolve_env_config's setdefaults + the dispatcher's salt)
+PRIME_RL_EXTRA_BODY = {"top_k": -1, "min_p": 0.0, "return_token_ids": True, "cache_salt": "5"}
+
+
+@pytest.mark.slow
+def test_renderers_generate_with_prime_rl_extra_body(server, tokenizer_dir, tmp_path):
+    """PyPI renderers' ``generate`` (in verifiers' venv) sending prime-rl's extra_body inside sampling_params, as
+    verifiers' TrainClient merges it: return_token_ids and cache_salt there were a 400 before issue 39."""
+    root = client_venv("verifiers", VERIFIERS_REQUIREMENTS)
+    out = run_in_venv(root, PRIME_RL_SCRIPT, server.url, str(tokenizer_dir), MODEL, json.dumps(PRIME_RL_EXTRA_BODY),
+                      cwd=tmp_path)
+    assert out["prompt_ids"] == hf_prompt([{"role": "user", "content": "Name a colour."}])
+    direct = greedy(server, out["prompt_ids"], 8)
+    assert out["completion_ids"] == direct["token_ids"] and out["finish_reason"] == direct["finish_reason"]
+    assert out["completion_logprobs"] == pytest.approx([c["logprob"] for c in direct["logprobs"]["content"]],
+                                                       abs=1e-3)
+    assert server.state.metrics.get("unknown_sampling_params_total", key="return_token_ids") == 0
+
+
 # ---- TRL 1.16 VLLMClient -----------------------------------------------------------------------------
 
 TRL_SCRIPT = """

@@ -45,6 +45,9 @@ DIFFERENCES: dict[tuple[str, str], str] = {
     ("status", "generate greedy n=2"): (
         "n > 1 at temperature 0: vLLM refuses it (400); tito returns n identical completions, as its engine "
         "protocol promises (a group sampled greedily for evaluation)"),
+    ("status", "generate two different salts"): (
+        "vLLM ignores sampling_params.cache_salt (no SamplingParams field) and answers 200; tito takes it as the salt "
+        "(prime-rl's policy step) and refuses two different salts with a 400 naming both"),
     ("filled", ".metrics"): "tito reports where the time went (engine_s, queue_s, prefill_s, decode_s, engine_call_s)",
     ("filled", ".prompt_token_ids"): "tito always returns the prompt's ids on /inference/v1/generate",
     ("filled", ".usage.prompt_tokens_details"): "tito always reports cached prompt tokens ({cached_tokens})",
@@ -194,6 +197,15 @@ def _requests(prompt: list[int], greedy: list[int]) -> list[tuple[str, str, str,
         ("generate greedy n=2", "POST", gen, {"token_ids": prompt, "sampling_params": {**sp, "n": 2}}),
         ("generate n over vLLM's limit", "POST", gen, {"token_ids": prompt, "sampling_params": {
             "max_tokens": 4, "temperature": 1.0, "n": 100_000}}),
+        # prime-rl's rollout request (issue 39): its extra_body merged into sampling_params by verifiers; an
+        # unknown key; sampling_params.cache_salt against another top-level salt
+        ("generate prime-rl sampling_params", "POST", gen, {"model": NAME, "token_ids": prompt, "sampling_params": {
+            "top_k": -1, "min_p": 0.0, "return_token_ids": True, "cache_salt": "3", "temperature": 0.0, "top_p": 1.0,
+            "max_tokens": 12, "logprobs": 1, "stop_token_ids": [greedy[2]], "skip_special_tokens": False}}),
+        ("generate unknown sampling key", "POST", gen, {"token_ids": prompt, "sampling_params": {
+            **sp, "tempurature": 0.5, "logprobs": 1}}),
+        ("generate two different salts", "POST", gen, {"token_ids": prompt, "cache_salt": "a", "sampling_params": {
+            **sp, "cache_salt": "b"}}),
         ("completions greedy", "POST", "/v1/completions", {
             "model": NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "logprobs": 1,
             "return_token_ids": True}),
