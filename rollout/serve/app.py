@@ -19,6 +19,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -41,6 +42,7 @@ from .schemas import (
     GenerateBody,
     GenerateChoice,
     GenerateResponse,
+    VLLMSamplingParams,
     check_unsupported,
     decode,
     decode_sampling,
@@ -65,8 +67,17 @@ def _count_abandoned(state: ServerState, out: GenerateOutput) -> None:
 # ---- routes --------------------------------------------------------------------------------------
 
 
-async def generate(state: ServerState, request: Request) -> Response:
-    body: GenerateBody = decode(await calls.read_body(state, request), GenerateBody)
+class _GenerateCall(msgspec.Struct, frozen=True):
+    """A /inference/v1/generate request once decoded and checked: nothing below reads the raw body again."""
+
+    body: GenerateBody
+    sampling: VLLMSamplingParams
+    session: str | None  # X-Session-ID, else the salt: keys the engine's session KV and the routing
+
+
+def _decode_generate(state: ServerState, raw: bytes, headers) -> _GenerateCall:
+    """Step 1: decode and validate once. Every refusal names the request's own field."""
+    body: GenerateBody = decode(raw, GenerateBody)
     calls.check_model(state, body.model)
     if body.stream:
         raise BadRequest("stream=true is not supported on /inference/v1/generate (stream on /v1/completions "
@@ -82,44 +93,61 @@ async def generate(state: ServerState, request: Request) -> Response:
     if body.cache_salt is not None and sp.cache_salt is not None and body.cache_salt != sp.cache_salt:
         raise BadRequest(f"cache_salt {body.cache_salt!r} and sampling_params.cache_salt {sp.cache_salt!r} differ: "
                          "send one salt", "sampling_params.cache_salt")
-    salt = body.cache_salt if body.cache_salt is not None else sp.cache_salt
     # vLLM's check (verifiers' TrainClient sends the field on a bridged turn); no routing is returned here
     if not 0 <= sp.routed_experts_prompt_start <= len(body.token_ids):
         raise BadRequest(f"sampling_params.routed_experts_prompt_start={sp.routed_experts_prompt_start} must be in "
                          f"[0, {len(body.token_ids)}] (the prompt length)", "sampling_params.routed_experts_prompt_start")
-    rid = calls.request_id(body.request_id, "gen")
+    # The X-Session-ID header verifiers' TrainClient and SkyRL send per rollout, else the salt, keys the engine's
+    # session KV and the routing: the turns of one rollout reuse their KV on the engine that holds it. The header
+    # wins (as on chat): prime-rl's salt is its policy step, one for every rollout of a step.
+    salt = body.cache_salt if body.cache_salt is not None else sp.cache_salt
+    return _GenerateCall(body, sp, session_header(headers) or salt)
+
+
+def _engine_request(state: ServerState, call: _GenerateCall) -> GenerateRequest:
+    """Step 2: the engine's sampling settings and request (errors under ``sampling_params.``)."""
+    body, sp = call.body, call.sampling
+    extras = generate_extras(state, sp)  # how many top logprobs the engine computes, prompt logprobs
     try:
         sampling = calls.sampling(state, len(body.token_ids), sp.max_tokens, temperature=sp.temperature,
                                   top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed, n=sp.n,
                                   stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
-                                  prompt_param="token_ids", **generate_extras(state, sp))
+                                  prompt_param="token_ids", **extras)
     except BadRequest as exc:
         raise BadRequest(str(exc), exc.param if exc.param in (None, "token_ids") else
                          f"sampling_params.{exc.param}") from None
-    # The X-Session-ID header verifiers' TrainClient and SkyRL send per rollout, else the salt, keys the engine's
-    # session KV and the routing: the turns of one rollout reuse their KV on the engine that holds it. The header
-    # wins (as on chat): prime-rl's salt is its policy step, one for every rollout of a step.
-    session = session_header(request.headers) or salt
-    req = GenerateRequest(request_id=rid, prompt_ids=body.token_ids, sampling=sampling, session_id=session)
+    req = GenerateRequest(request_id=calls.request_id(body.request_id, "gen"), prompt_ids=body.token_ids,
+                          sampling=sampling, session_id=call.session)
     calls.validated(state, req, prefix="sampling_params.", prompt_param="token_ids")
-    out, call_s = await calls.generate(state, request, req, session)
-    want_lp = sp.logprobs is not None
-    choices = []
-    for i, r in enumerate(out.results):
-        lps = None
-        if want_lp and r.logprobs is not None:
-            lps = generate_logprobs(r.completion_ids, r.logprobs, r.top_logprobs, sp.logprobs)
-        choices.append(GenerateChoice(index=i, token_ids=r.completion_ids, logprobs=lps, finish_reason=r.finish_reason,
-                                      stop_reason=calls.stop_token_reason(state, r),
-                                      weight_versions=weight_spans(r.weight_version, len(r.completion_ids))))
-    cached = max(r.cached_prompt_tokens for r in out.results)
-    completion = sum(len(r.completion_ids) for r in out.results)
-    resp = GenerateResponse(request_id=rid, model=state.model_names[0], created=int(time.time()), choices=choices,
-                            prompt_token_ids=body.token_ids,
-                            usage=calls.usage(len(body.token_ids), completion, cached),
-                            metrics=calls.timing(out, call_s),
-                            prompt_logprobs=prompt_logprobs(token_decoder(state), body.token_ids, out.prompt_logprobs))
-    return json_response(resp)
+    return req
+
+
+def _generate_response(state: ServerState, call: _GenerateCall, req: GenerateRequest, out: GenerateOutput,
+                       call_s: float) -> GenerateResponse:
+    """Step 4: vLLM's response body: the choices, usage and timing, then the logprobs asked for."""
+    body, sp = call.body, call.sampling
+    stop_reasons = [calls.stop_token_reason(state, r) for r in out.results]
+    usage = calls.usage(len(body.token_ids), sum(len(r.completion_ids) for r in out.results),
+                        max(r.cached_prompt_tokens for r in out.results))
+    timing = calls.timing(out, call_s)
+    choices = [GenerateChoice(index=i, token_ids=r.completion_ids, finish_reason=r.finish_reason,
+                              stop_reason=stop_reasons[i],
+                              logprobs=None if sp.logprobs is None or r.logprobs is None else
+                              generate_logprobs(r.completion_ids, r.logprobs, r.top_logprobs, sp.logprobs),
+                              weight_versions=weight_spans(r.weight_version, len(r.completion_ids)))
+               for i, r in enumerate(out.results)]
+    return GenerateResponse(request_id=req.request_id, model=state.model_names[0], created=int(time.time()),
+                            choices=choices, prompt_token_ids=body.token_ids, usage=usage, metrics=timing,
+                            prompt_logprobs=prompt_logprobs(token_decoder(state), body.token_ids,
+                                                            out.prompt_logprobs))
+
+
+async def generate(state: ServerState, request: Request) -> Response:
+    """``POST /inference/v1/generate``, top-down: decode and validate once, sampling, the call, the response."""
+    call = _decode_generate(state, await calls.read_body(state, request), request.headers)
+    req = _engine_request(state, call)
+    out, call_s = await calls.generate(state, request, req, call.session)
+    return json_response(_generate_response(state, call, req, out, call_s))
 
 
 async def abort_requests(state: ServerState, request: Request) -> Response:
