@@ -9,6 +9,7 @@ except under ``CI=true``, where a missing fixture is a failure.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,18 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 from . import _ast_guard  # noqa: E402, F401  (ast.parse with the collector paused: see that module)
 from ._support import SMOLLM2, fixtures_dir, ours, reference, smollm2_gguf, tokenizer_dir
+
+
+@pytest.fixture(autouse=True)
+def _sigpipe_left_as_found():
+    """A test that leaves SIGPIPE at its default action lets a later test's write to a closed socket end the whole
+    pytest process with "Broken pipe" and no report (a CI run died so); this names the test that did it."""
+    before = signal.getsignal(signal.SIGPIPE)
+    yield
+    after = signal.getsignal(signal.SIGPIPE)
+    if after != before:
+        signal.signal(signal.SIGPIPE, before)
+        pytest.fail(f"this test left SIGPIPE's handler at {after!r} (was {before!r})", pytrace=False)
 
 
 @dataclass

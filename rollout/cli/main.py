@@ -194,13 +194,27 @@ def build_parser(placement: Placement | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that only print to stdout: `tito render ... | head` ends them quietly, as a shell tool ends. The others
+# talk to Ray, engines and HTTP clients, where SIGPIPE's default action would end the process without a word on a
+# closed socket instead of raising the BrokenPipeError their error handling names.
+_PIPE_QUIET_COMMANDS = frozenset({"render", "template", "inspect", "status"})
+
+
 def main(argv: list[str] | None = None, placement: Placement | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `tito render ... | head` ends quietly
     args = build_parser(placement).parse_args(argv)
+    # Restored on the way out: main() is also called in-process (tests, notebooks), whose later socket writes
+    # must keep Python's SIGPIPE-ignored default.
+    previous = signal.getsignal(signal.SIGPIPE)
+    if args.command in _PIPE_QUIET_COMMANDS:
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         return args.func(args)
     except (ValueError, KeyError) as exc:
         print(f"tito {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if args.command in _PIPE_QUIET_COMMANDS:
+            sys.stdout.flush()  # still under SIG_DFL: what is buffered for a reader that left ends quietly too
+        signal.signal(signal.SIGPIPE, previous)
 
