@@ -47,6 +47,7 @@ from rollout.engines.protocol import (
     Unsupported,
     close_backend,
     decode_request,
+    load_weights,
 )
 from rollout.engines.streaming import stream_of
 
@@ -164,10 +165,7 @@ class EngineActorImpl:
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def update_weights(self, path: str, version: int, keep_running: bool = False) -> None:
         backend = await self._ensure()
-        if keep_running:  # passed only when set: a backend written before the option need not take it
-            await self._home(backend.update_weights(path, version, keep_running=True))
-        else:
-            await self._home(backend.update_weights(path, version))
+        await self._home(load_weights(backend, path, version, keep_running))
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def validate_weights(self, path: str) -> dict[str, Any]:

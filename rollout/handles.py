@@ -13,7 +13,7 @@ import inspect
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .engines.protocol import EngineBackend, GenerateOutput, GenerateRequest, Unsupported
+from .engines.protocol import EngineBackend, GenerateOutput, GenerateRequest, Unsupported, load_weights
 from .turns import Finished, NextPrompt, RolloutMeta, SampledTurn
 
 if TYPE_CHECKING:
@@ -147,10 +147,7 @@ class LocalEngine:
         return await self.backend.abort(request_id)
 
     async def update_weights(self, path: str, version: int, *, keep_running: bool = False) -> None:
-        if keep_running:  # passed only when set: a backend written before the option need not take it
-            await self.backend.update_weights(path, version, keep_running=True)
-        else:
-            await self.backend.update_weights(path, version)
+        await load_weights(self.backend, path, version, keep_running)
 
     async def validate_weights(self, path: str) -> dict[str, Any]:
         if callable(getattr(self.backend, "validate_weights", None)):

@@ -309,17 +309,18 @@ def test_keep_goes_on_in_place_and_stamps_each_token(tmp_path, model_path, base_
 
 
 def test_keep_is_refused_before_any_work_where_the_engine_cannot_keep(tmp_path, model_path):
-    """An engine backend that does not stamp each token's version (vLLM) cannot keep turns running through an
-    update: the run stops at once with one line naming the backend and the two modes that work, before any batch
-    directory, metrics line or request. The driver is told its engines are vLLM (a replay engine stands in)."""
+    """An engine backend that does not stamp each token's version cannot keep turns running through an update: the
+    run stops at once with one line naming the backend and the two modes that work, before any batch directory,
+    metrics line or request. Every backend here stamps them (vLLM reads its weight_versions spans back), so the
+    driver is told its engines are of a backend outside KEEPS_RUNNING (a replay engine stands in)."""
     import msgspec
 
     from rollout.engines.replay import ReplayEngine
 
     engine = ReplayEngine(synthetic=True, vocab_size=49152)
     h = Harness(_config(8, max_steps=1, inflight="keep"), tmp_path, model_path, _tasks(2), engine=engine)
-    h.driver.info = msgspec.structs.replace(h.driver.info, backend="vllm")
-    with pytest.raises(ValueError, match="the vllm engine backend cannot keep .* abort_resume or drain"):
+    h.driver.info = msgspec.structs.replace(h.driver.info, backend="sglang")
+    with pytest.raises(ValueError, match="the sglang engine backend cannot keep .* abort_resume or drain"):
         asyncio.run(h.follow.run())
     h.service.close()
     assert not (tmp_path / layout.METRICS).exists() and not layout.step_dirs(tmp_path)

@@ -59,6 +59,13 @@ def generate(srv, prompt: list[int], max_tokens: int = 8, **extra):
         "max_tokens": max_tokens, "temperature": 0}, **extra})
 
 
+def update_count(srv) -> int:
+    """/metrics' count of timed /update_weights calls."""
+    text = call(srv, "GET", "/metrics")[1]
+    return next((int(float(line.split()[-1])) for line in text.splitlines()
+                 if line.startswith("tito_weight_update_seconds_count")), 0)
+
+
 def engine_rss(srv) -> list[int]:
     """Each engine actor process's resident set, in bytes (the actors run on this machine)."""
     pids = ray.get([e.actor.__ray_call__.remote(lambda self: os.getpid()) for e in srv.state.fleet.engines])
@@ -92,6 +99,39 @@ def test_prime_rl_weight_update_cycle(server, model_path):
     waiting.join(120)
     status, r = out["r"]
     assert status == 200 and [s["version"] for s in r["choices"][0]["weight_versions"]] == [str(start + 1)]
+
+
+def test_update_weights_keeps_the_running_requests_and_stamps_their_tokens(server, model_path):
+    """prime-rl's cycle with a request already decoding: /update_weights returns while it runs (nothing drains:
+    the call costs the load, not the longest turn), the request goes on under the new version, its
+    weight_versions split into [old, new) spans covering every token, and, the checkpoint being the served
+    weights, its greedy tokens are those of a run without the update. /metrics times the call."""
+    prompt = prompt_ids("Count from one to one hundred in words.")
+    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 160, "temperature": 0, "ignore_eos": True}}
+    status, plain = call(server, "POST", "/inference/v1/generate", body)
+    assert status == 200
+    start, updates_before = server.state.fleet.weight_version, update_count(server)
+    out = {}
+    running = threading.Thread(target=lambda: out.update(r=call(server, "POST", "/inference/v1/generate", body)))
+    running.start()
+    deadline = time.monotonic() + 60
+    while not server.state.fleet.where and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(1.0)  # some tokens decoded under the old version
+    assert call(server, "POST", "/pause?mode=keep&clear_cache=false")[0] == 200
+    status, r = call(server, "POST", "/update_weights", {"weight_dir": model_path})
+    assert (status, r) == (200, {"status": "ok", "weight_version": start + 1})
+    assert running.is_alive(), "the update waited for the running request (drained) instead of keeping it"
+    assert call(server, "POST", "/resume")[0] == 200
+    running.join(300)
+    status, kept = out["r"]
+    assert status == 200
+    choice = kept["choices"][0]
+    spans = [(s["version"], s["start"], s["end"]) for s in choice["weight_versions"]]
+    assert len(spans) == 2 and spans[0][:2] == (str(start), 0) and spans[1][0] == str(start + 1), spans
+    assert 0 < spans[0][2] == spans[1][1] < spans[1][2] == 160, spans
+    assert choice["token_ids"] == plain["choices"][0]["token_ids"]
+    assert update_count(server) == updates_before + 1
 
 
 def test_what_cannot_be_real_here_is_501_naming_why(server):

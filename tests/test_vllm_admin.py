@@ -110,3 +110,33 @@ def test_prime_rl_weight_update_cycle(tito):
     waiting.join(300)
     assert [s["version"] for s in out["r"]["choices"][0]["weight_versions"]] == [str(start + 1)]
     assert call(tito, "GET", "/liveness") == (200, {"status": "alive"})
+
+
+def test_update_weights_keeps_a_running_request_and_reads_vllms_token_spans(tito):
+    """A request decoding when prime-rl's cycle runs (pause keep, update_weights, resume): vLLM freezes it
+    (pause_generation mode keep), reloads, labels the new version and resumes it, so /update_weights returns
+    while it runs; its weight_versions are vLLM's own spans, [old, new) over every token, and, the checkpoint
+    being the served weights, its greedy tokens are those of a run without the update."""
+    prompt = LONG[:40]
+    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 600, "temperature": 0, "ignore_eos": True}}
+    status, plain = call(tito, "POST", "/inference/v1/generate", body)
+    assert status == 200
+    start = call(tito, "GET", "/server_info")[1]["tito"]["weight_version"]
+    out: dict = {}
+    running = threading.Thread(target=lambda: out.update(r=call(tito, "POST", "/inference/v1/generate", body)))
+    running.start()
+    time.sleep(1.5)  # decoding under the old version
+    assert running.is_alive(), "the request ended before the update: make it longer"
+    assert call(tito, "POST", "/pause?mode=keep&clear_cache=false")[0] == 200
+    status, r = call(tito, "POST", "/update_weights", {"weight_dir": model_dir()})
+    assert (status, r) == (200, {"status": "ok", "weight_version": start + 1})
+    assert running.is_alive(), "the update waited for the running request (drained) instead of keeping it"
+    assert call(tito, "POST", "/resume")[0] == 200
+    running.join(300)
+    status, kept = out["r"]
+    assert status == 200, kept
+    choice = kept["choices"][0]
+    spans = [(s["version"], s["start"], s["end"]) for s in choice["weight_versions"]]
+    assert len(spans) == 2 and spans[0][:2] == (str(start), 0) and spans[1][0] == str(start + 1), spans
+    assert 0 < spans[0][2] == spans[1][1] < spans[1][2] == 600, spans
+    assert choice["token_ids"] == plain["choices"][0]["token_ids"]

@@ -148,6 +148,18 @@ class EngineBackend(Protocol):
     def info(self) -> EngineInfo: ...
 
 
+async def load_weights(backend: EngineBackend, path: str, version: int, keep_running: bool) -> None:
+    """``backend.update_weights``, with ``keep_running`` passed only when True; a backend whose ``update_weights``
+    takes no such keyword (written before the option) raises :class:`Unsupported` for it, so the caller drains."""
+    if not keep_running:
+        return await backend.update_weights(path, version)
+    params = inspect.signature(backend.update_weights).parameters
+    if "keep_running" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise Unsupported(f"{type(backend).__name__}.update_weights takes no keep_running: it cannot keep requests "
+                          "running through a weight update")
+    await backend.update_weights(path, version, keep_running=True)
+
+
 async def close_backend(backend: object) -> None:
     """Release a backend's resources: its ``aclose``, ``close`` or ``shutdown`` (the first it has),
     awaited when it is a coroutine. Backends are not required to have any of them."""

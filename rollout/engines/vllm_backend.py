@@ -25,8 +25,12 @@ What it sends to vLLM (see docs/engines.md and the vLLM 0.33 notes):
   (tito's worker extension, rollout/engines/vllm_worker.py: vLLM's reload leaves a tied output layer on the
   old weights) → ``reset_prefix_cache(
   reset_running_requests=True)`` → version bump → ``resume_generation()``. Every completion is therefore sampled
-  under exactly one weight version, the one it is stamped with. ``keep_running=True`` (requests running through
-  the swap) raises Unsupported: no per-token version is read back from vLLM here.
+  under exactly one weight version, the one it is stamped with. ``keep_running=True`` (prime-rl's
+  ``pause(mode="keep")``): new requests wait at the gate, the running ones are frozen where they are
+  (``pause_generation(mode="keep", clear_cache=False)``: their KV stays), the weights reload, vLLM's weight-version
+  label moves on (``update_weight_version``), and they resume under the new weights on the KV the old ones
+  computed. vLLM reports which tokens each label sampled (``CompletionOutput.weight_versions`` spans), read back
+  as ``token_versions``. New requests never reuse an old version's prefix blocks: the cache salt is the version.
 * Greedy with ``n > 1``: vLLM refuses it ("n must be 1 when using greedy sampling"); the protocol promises n
   identical completions, so the backend samples once and returns n copies (greedy decoding is deterministic;
   copying is also exact where batched kernels are not).
@@ -78,12 +82,6 @@ from rollout.engines.protocol import (
     Unsupported,
     validate_request,
 )
-
-# update_weights(keep_running=True): vLLM's pause mode "keep" exists, but nothing here attributes tokens to versions
-KEEP_RUNNING_UNSUPPORTED = (
-    "the vllm engine backend cannot keep requests running across a weight update: vLLM's pause mode keep exists, but "
-    "this backend does not report which tokens of a request came after the swap (it reads no per-token weight "
-    "version from vLLM), so they would carry the old version; use follow.inflight abort_resume or drain")
 
 
 def vllm_platform() -> Literal["cuda", "cpu"] | None:
@@ -303,6 +301,7 @@ class VLLMEngine:
         self._idle.set()
         self._update_lock = asyncio.Lock()
         self._validator: CheckpointValidator | None = None  # built at the first check (reads the model's headers)
+        self._labelled = False  # vLLM's engine core told self._version (see _label_version)
 
     @classmethod
     async def create(cls, model: str, **kwargs: Any) -> VLLMEngine:
@@ -354,6 +353,7 @@ class VLLMEngine:
                 aborted = self._waiting.pop(rid)
             if aborted:
                 return self._empty_output(request, "abort", None, self._version)
+        await self._label_version()
         self._active.add(rid)
         self._idle.clear()
         version = self._version
@@ -410,31 +410,43 @@ class VLLMEngine:
         The checkpoint is validated first (:meth:`validate_weights`), before the gate closes: vLLM's engine core
         dies on a checkpoint it cannot read (measured: a missing path ends it with EngineDeadError), so no checkpoint
         with missing, unknown or misshapen tensors or non-finite values reaches it; a refused checkpoint raises
-        CheckpointError and changes nothing. ``keep_running=True`` raises Unsupported (see KEEP_RUNNING_UNSUPPORTED)."""
-        if keep_running:
-            raise Unsupported(KEEP_RUNNING_UNSUPPORTED)
+        CheckpointError and changes nothing. ``keep_running=True``: the running requests are frozen through the
+        reload, not drained, and go on under ``version`` (their tokens carry ``token_versions``)."""
         try:
             await self._checked(path)
         except CheckpointError as exc:
             raise exc.refused_by("update_weights") from None
+        await self._label_version()
         async with self._update_lock:
             self._open.clear()
             try:
-                if self._pause_mode == "abort":
-                    for rid in list(self._active):
-                        await self._engine.abort(rid)
-                await self._idle.wait()
-                await self._engine.pause_generation(mode=self._pause_mode, clear_cache=True)
+                if keep_running:
+                    await self._engine.pause_generation(mode="keep", clear_cache=False)
+                else:
+                    if self._pause_mode == "abort":
+                        for rid in list(self._active):
+                            await self._engine.abort(rid)
+                    await self._idle.wait()
+                    await self._engine.pause_generation(mode=self._pause_mode, clear_cache=True)
                 try:
                     await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
                     if self._extension:  # vLLM's reload leaves a tied lm_head stale (vllm_worker.py)
                         await self._engine.collective_rpc("tito_refresh_tied_lm_head")
-                    await self._engine.reset_prefix_cache(reset_running_requests=True)
+                    if not keep_running:  # frozen requests keep their blocks; new ones are salted by version
+                        await self._engine.reset_prefix_cache(reset_running_requests=True)
+                    await self._engine.update_weight_version(str(int(version)))
                     self._version = int(version)
                 finally:
                     await self._engine.resume_generation()
             finally:
                 self._open.set()
+
+    async def _label_version(self) -> None:
+        """Tell vLLM's engine core the version it samples under (once): its outputs then say, per token span, which
+        label sampled it; before this call the label is vLLM's "default"."""
+        if not self._labelled:
+            await self._engine.update_weight_version(str(self._version))
+            self._labelled = True
 
     async def validate_weights(self, path: str) -> dict:
         """Check that ``path`` is a checkpoint this engine can reload, without loading it: layout, every tensor's
@@ -502,7 +514,6 @@ class VLLMEngine:
     async def sleep(self, level: int = 1) -> None:
         """``AsyncLLM.sleep``: level 1 offloads the weights to host memory and drops the KV cache, level 2 drops
         both. Raises Unsupported where vLLM has no sleep mode (its CPU build) or was started without it."""
-        from rollout.engines.protocol import Unsupported
 
         problem = self._sleep_problem()
         if problem:
@@ -510,7 +521,6 @@ class VLLMEngine:
         await self._engine.sleep(level)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        from rollout.engines.protocol import Unsupported
 
         problem = self._sleep_problem()
         if problem:
@@ -540,13 +550,15 @@ class VLLMEngine:
             logprobs = [float(_sampled_logprob(c.logprobs[i], t)) for i, t in enumerate(ids)]
         if request.sampling.top_logprobs and c.logprobs is not None:
             tops = [_scores(c.logprobs[i], t, request.sampling.top_logprobs) for i, t in enumerate(ids)]
+        versions = _token_versions(getattr(c, "weight_versions", None), len(ids), version)
         return GenerateResult(
             completion_ids=ids,
             logprobs=logprobs,
             finish_reason=finish,
             stop_token_id=stop_id,
             cached_prompt_tokens=min(cached, len(request.prompt_ids)),
-            weight_version=version,
+            weight_version=min(versions, default=version),
+            token_versions=versions if len(set(versions)) > 1 else None,
             timings=Timings(decode_s=elapsed),
             error=None if finish != "error" else f"vLLM finished with {c.finish_reason!r}",
             top_logprobs=tops,
@@ -563,6 +575,19 @@ class VLLMEngine:
             for _ in range(request.sampling.n)
         ]
         return GenerateOutput(request_id=request.request_id, prompt_len=len(request.prompt_ids), results=results)
+
+
+def _token_versions(spans: Iterable[Any] | None, tokens: int, started: int) -> list[int]:
+    """One weight version per completion token from vLLM's ``weight_versions`` spans (``[start, end)`` sampled by
+    the weights labelled ``version``); a label that is not a number (vLLM's "default", before this backend labelled
+    the engine) is the version the request started under, as are tokens no span covers."""
+    versions = [started] * tokens
+    for span in spans or ():
+        label = str(span.version)
+        value = int(label) if label.lstrip("-").isdigit() else started
+        for i in range(max(0, int(span.start)), min(tokens, int(span.end))):
+            versions[i] = value
+    return versions
 
 
 def _scores(position: Mapping[int, Any], token: int, k: int) -> TokenLogprobs:

@@ -57,7 +57,7 @@ from .metrics import MetricsSink
 from .status import StatusWriter
 
 # the engine backends whose update_weights(keep_running=True) stamps each token's version (follow.inflight keep)
-KEEPS_RUNNING = frozenset({"embedded", "replay"})
+KEEPS_RUNNING = frozenset({"embedded", "replay", "vllm"})
 
 
 def min_version(k: int, max_off_policy_steps: int) -> int:

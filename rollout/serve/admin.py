@@ -13,6 +13,7 @@ without it (vLLM's CPU build).
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -130,6 +131,7 @@ async def update_weights(state: ServerState, request: Request) -> Response:
     (409). The directory must be under ``server.weights_root`` (403, saying nothing of the path), hold no pickle
     weight files, and pass one engine's checkpoint validation (400 naming the problem and the tensor) before any
     engine pauses: a refused checkpoint leaves every engine serving its weights and version."""
+    called = time.perf_counter()
     body: UpdateWeightsBody = await _body(state, request, UpdateWeightsBody)
     if body.update_info is not None:
         return _not_here("update_weights with update_info (tensors streamed over an NCCL group, TRL's and "
@@ -158,6 +160,9 @@ async def update_weights(state: ServerState, request: Request) -> Response:
             raise Conflict(f"version {body.version} is not above the version served now, {current}: versions "
                            "must increase (send none to take the next one)", "version")
         version = await state.fleet.update_weights(str(weight_dir), body.version, validate=False)
+    # call -> generating again (validation and load; with requests kept in flight nothing waits for them to end)
+    state.metrics.observe("weight_update_seconds", time.perf_counter() - called)
+    state.metrics.observe("weight_update_paused_seconds", state.fleet.last_update_paused_s or 0.0)
     return json_response({"status": "ok", "weight_version": version})
 
 

@@ -134,7 +134,7 @@ def _generate_response(state: ServerState, call: _GenerateCall, req: GenerateReq
                               stop_reason=stop_reasons[i],
                               logprobs=None if sp.logprobs is None or r.logprobs is None else
                               generate_logprobs(r.completion_ids, r.logprobs, r.top_logprobs, sp.logprobs),
-                              weight_versions=weight_spans(r.weight_version, len(r.completion_ids)))
+                              weight_versions=weight_spans(r.weight_version, len(r.completion_ids), r.token_versions))
                for i, r in enumerate(out.results)]
     return GenerateResponse(request_id=req.request_id, model=state.model_names[0], created=int(time.time()),
                             choices=choices, prompt_token_ids=body.token_ids, usage=usage, metrics=timing,

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..engines.protocol import EngineInfo, GenerateOutput, GenerateRequest
+from ..engines.protocol import EngineInfo, GenerateOutput, GenerateRequest, Unsupported
 from ..handles import EngineHandle
 from ..routing import StickyLeastLoaded
 
@@ -61,6 +61,7 @@ class Fleet:
         self.dead: set[int] = set()
         self.where: dict[str, int] = {}  # running request id -> engine index (for aborts)
         self.weight_version = max(i.weight_version for i in infos)
+        self.last_update_paused_s: float | None = None  # the last update: admitting stopped -> admitting again
         # the fleet's engines serve one model: requests are checked against the tightest limits
         self.max_model_len = min(i.max_model_len for i in infos)
         self.vocab_size = min(i.vocab_size for i in infos)
@@ -258,12 +259,19 @@ class Fleet:
             raise EngineUnavailable("no engine is alive")
         return await live[0].validate_weights(weight_dir)
 
-    async def update_weights(self, weight_dir: str, version: int | None = None, *, validate: bool = True) -> int:
+    async def update_weights(self, weight_dir: str, version: int | None = None, *, validate: bool = True,
+                             keep_running: bool = True) -> int:
         """Validate ``weight_dir`` once (:meth:`validate_weights`; ``validate=False``: the caller just did), so a
         refused checkpoint raises CheckpointError before anything pauses and every engine keeps its weights and
-        version; then pause (waiting for the running requests), load it on every live engine, resume (unless it
-        was paused before). Later results carry ``version``; None: the current version + 1 (how prime-rl sends
-        it). Returns the version now served."""
+        version; then load it on every live engine and resume admitting (unless it was paused before). Later
+        results carry ``version``; None: the current version + 1 (how prime-rl sends it). Returns the version now
+        served.
+
+        ``keep_running`` (default, prime-rl's ``pause(mode="keep")``): the requests in flight are not drained; each
+        engine swaps under them (``update_weights(keep_running=True)``) and they go on under the new weights, each
+        token stamped with the version that sampled it, so an update costs the load, not the longest running turn.
+        An engine that cannot keep them (Unsupported) drains its own first. ``keep_running=False``: every engine
+        drains first (each completion from one version)."""
         if self.sleep_level:
             raise EngineAsleep("the engines are asleep: POST /wake_up before /update_weights (waking reloads the "
                                "weights the engines had)")
@@ -272,18 +280,32 @@ class Fleet:
         if validate:
             await self.validate_weights(weight_dir)
         async with self._update_lock:
+            paused_at = time.perf_counter()
             was_paused = self.paused
-            await self.pause("wait")
+            await self.pause("keep" if keep_running else "wait")
             try:
                 live = [e for i, e in enumerate(self.engines) if i not in self.dead]
-                await asyncio.gather(*(e.update_weights(weight_dir, version) for e in live))
+                await asyncio.gather(*(self._load(e, weight_dir, version, keep_running) for e in live))
                 self.weight_version = version
                 for info in self.infos:
                     info.weight_version = version
             finally:
                 if not was_paused:
                     self.resume()
+                self.last_update_paused_s = time.perf_counter() - paused_at
         return version
+
+    @staticmethod
+    async def _load(engine: EngineHandle, weight_dir: str, version: int, keep_running: bool) -> None:
+        if keep_running:
+            try:
+                return await engine.update_weights(weight_dir, version, keep_running=True)
+            except Exception as exc:
+                cause = getattr(exc, "cause", None)  # through Ray: the backend's own exception
+                if not isinstance(exc, Unsupported) and not isinstance(cause, Unsupported):
+                    raise
+        # keep_running=False, or a backend that cannot swap under running requests: it drains them itself first
+        await engine.update_weights(weight_dir, version)
 
     # ---- admin over every live engine ------------------------------------------------------------------
 

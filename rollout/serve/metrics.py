@@ -140,4 +140,7 @@ def server_metrics() -> Metrics:
     m.gauge("engine_load", "requests in flight per engine")
     m.gauge("paused", "1 while generation is paused")
     m.gauge("weight_version", "the weight version of new samples")
+    m.histogram("weight_update_seconds", "POST /update_weights: from the call to the engines generating again "
+                "(validation + load; requests in flight are kept, not waited for)")
+    m.histogram("weight_update_paused_seconds", "POST /update_weights: the time new requests were held (the load)")
     return m

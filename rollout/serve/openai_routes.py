@@ -139,7 +139,7 @@ async def completions(state: ServerState, request: Request) -> Response:
                 choice["token_ids"] = r.completion_ids
                 choice["prompt_token_ids"] = prompt
             choice.update(prompt_logprobs=scored, routed_experts=None,
-                          weight_versions=weight_spans(r.weight_version, len(r.completion_ids)))
+                          weight_versions=weight_spans(r.weight_version, len(r.completion_ids), r.token_versions))
             choices.append(choice)
     return _with_headers(calls.json_response({
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_names[0],

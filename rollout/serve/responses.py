@@ -70,7 +70,7 @@ def chat_response(state: ServerState, body: ChatBody, rid: str, prompt: list[int
                    "tool_calls": assistant.get("tool_calls", [])}
         choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": chat_finish(r, assistant),
                                   "stop_reason": calls.stop_reason(state, r, text),
-                                  "weight_versions": weight_spans(r.weight_version, len(r.completion_ids)),
+                                  "weight_versions": weight_spans(r.weight_version, len(r.completion_ids), r.token_versions),
                                   # every tool-call attempt with its status, malformed ones included (RL rewards them)
                                   "tool_call_attempts": [{"name": c.name, "status": str(c.status), "error": c.error,
                                                           "raw": c.raw} for c in parsed.tool_calls]}

@@ -207,9 +207,18 @@ class WeightVersionSpan(msgspec.Struct):
     end: int
 
 
-def weight_spans(version: int, tokens: int) -> list[WeightVersionSpan]:
-    """One span: every completion is sampled under one weight version (updates drain requests first)."""
-    return [WeightVersionSpan(str(version), 0, tokens)]
+def weight_spans(version: int, tokens: int, token_versions: list[int] | None = None) -> list[WeightVersionSpan]:
+    """vLLM's ``weight_versions``: the completion's tokens ``[start, end)`` each weight version sampled. One span
+    unless an update kept the request running (``token_versions``, one version per token, non-decreasing)."""
+    if not token_versions:
+        return [WeightVersionSpan(str(version), 0, tokens)]
+    spans: list[WeightVersionSpan] = []
+    for i, v in enumerate(token_versions):
+        if spans and spans[-1].version == str(v):
+            spans[-1].end = i + 1
+        else:
+            spans.append(WeightVersionSpan(str(v), i, i + 1))
+    return spans
 
 
 class GenerateChoice(msgspec.Struct):
