@@ -315,3 +315,19 @@ def test_embedded_engine_loads_published_smollm2(smollm2, tmp_path):
         with torch.no_grad():
             model.model.embed_tokens.weight.copy_(base_embed)
             model.model.norm.weight.copy_(base_norm)
+
+
+def test_only_real_canonical_step_dirs_count_as_broadcasts(tmp_path):
+    """Names a trainer never writes are not versions: ``step_01`` (broadcast_dir(1) names ``step_1``), ``step_``
+    + 30 digits (it would outrank every real step and overflow the shards' int32 versions), ``step_-1``,
+    ``step_abc``; nor is a symlinked step, even one pointing at a complete broadcast outside the run."""
+    outside = tmp_path / "elsewhere" / "step_9"
+    outside.mkdir(parents=True)
+    (outside / STABLE).touch()
+    root = tmp_path / "run" / BROADCASTS
+    for name in ("step_0", "step_2", "step_01", "step_" + "9" * 30, "step_2147483648", "step_-1", "step_abc",
+                 "step_"):
+        (root / name).mkdir(parents=True)
+        (root / name / STABLE).touch()
+    (root / "step_9").symlink_to(outside, target_is_directory=True)
+    assert stable_versions(tmp_path / "run") == [0, 2]

@@ -25,7 +25,10 @@ STABLE = "STABLE"
 METRICS = "metrics.jsonl"
 SEALED = "_manifest.json"  # rollout.data.shards.MANIFEST: written last, so it marks a sealed batch
 
-_STEP = re.compile(r"step_(\d+)")
+# canonical decimals only: ``step_01`` would parse as 1 while broadcast_dir(1) names ``step_1``; versions are int32
+# in the shards (weight_versions), so ``step_`` + 30 digits would otherwise outrank every real step
+_STEP = re.compile(r"step_(0|[1-9][0-9]{0,9})")
+MAX_VERSION = 2**31 - 1
 
 
 def broadcast_dir(run_dir: str | Path, version: int) -> Path:
@@ -39,15 +42,17 @@ def step_dir(run_dir: str | Path, k: int) -> Path:
 def step_number(path: Path) -> int | None:
     """N of a ``step_N`` directory name; None for any other name (temporaries, stray files)."""
     m = _STEP.fullmatch(path.name)
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) if m and int(m.group(1)) <= MAX_VERSION else None
 
 
 def stable_versions(run_dir: str | Path) -> list[int]:
-    """The versions whose broadcast is complete (``STABLE`` present), ascending."""
+    """The versions whose broadcast is complete (``STABLE`` present), ascending. A symlinked step is not one: a
+    trainer writes real directories, and a link could point the engines at weights outside the run directory."""
     root = Path(run_dir) / BROADCASTS
     if not root.is_dir():
         return []
-    found = (step_number(p) for p in root.iterdir() if p.is_dir() and (p / STABLE).is_file())
+    found = (step_number(p) for p in root.iterdir()
+             if not p.is_symlink() and p.is_dir() and (p / STABLE).is_file())
     return sorted(n for n in found if n is not None)
 
 
