@@ -205,8 +205,8 @@ def main(argv: list[str] | None = None, placement: Placement | None = None) -> i
     args = build_parser(placement).parse_args(argv)
     # Restored on the way out: main() is also called in-process (tests, notebooks), whose later socket writes
     # must keep Python's SIGPIPE-ignored default.
-    previous = signal.getsignal(signal.SIGPIPE)
-    if args.command in _PIPE_QUIET_COMMANDS:
+    previous, quiet = signal.getsignal(signal.SIGPIPE), args.command in _PIPE_QUIET_COMMANDS
+    if quiet:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         return args.func(args)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None, placement: Placement | None = None) -> i
         print(f"tito {args.command}: error: {exc}", file=sys.stderr)
         return 2
     finally:
-        if args.command in _PIPE_QUIET_COMMANDS:
+        if quiet:
             sys.stdout.flush()  # still under SIG_DFL: what is buffered for a reader that left ends quietly too
         signal.signal(signal.SIGPIPE, previous)
 

@@ -514,14 +514,12 @@ class VLLMEngine:
     async def sleep(self, level: int = 1) -> None:
         """``AsyncLLM.sleep``: level 1 offloads the weights to host memory and drops the KV cache, level 2 drops
         both. Raises Unsupported where vLLM has no sleep mode (its CPU build) or was started without it."""
-
         problem = self._sleep_problem()
         if problem:
             raise Unsupported(problem)
         await self._engine.sleep(level)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-
         problem = self._sleep_problem()
         if problem:
             raise Unsupported(problem)

@@ -284,8 +284,7 @@ class Fleet:
             was_paused = self.paused
             await self.pause("keep" if keep_running else "wait")
             try:
-                live = [e for i, e in enumerate(self.engines) if i not in self.dead]
-                await asyncio.gather(*(self._load(e, weight_dir, version, keep_running) for e in live))
+                await asyncio.gather(*(self._load(e, weight_dir, version, keep_running) for e in self._live()))
                 self.weight_version = version
                 for info in self.infos:
                     info.weight_version = version
