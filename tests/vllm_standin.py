@@ -253,6 +253,7 @@ class AsyncLLM:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.dead = False
+        self.weight_version = "default"  # vLLM's label before update_weight_version
         self.fail_next: BaseException | None = None  # raised by the next generate() (tests inject engine errors)
 
     @classmethod
@@ -408,6 +409,11 @@ class AsyncLLM:
         self.calls.append(("resume_generation", (), {}))
         self._paused = None
         self._resumed.set()
+
+    async def update_weight_version(self, new_version: str) -> None:
+        """vLLM labels the tokens sampled from here on with ``new_version`` (the stand-in only records it)."""
+        self.calls.append(("update_weight_version", (new_version,), {}))
+        self.weight_version = new_version
 
     async def is_paused(self) -> bool:
         return self._paused is not None
