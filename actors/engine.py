@@ -44,6 +44,7 @@ from rollout.engines.protocol import (
     EngineInfo,
     GenerateOutput,
     GenerateRequest,
+    SchedulerStats,
     Unsupported,
     close_backend,
     decode_request,
@@ -225,6 +226,14 @@ class EngineActorImpl:
         """The workers behind this engine (vLLM: tensor x pipeline x data parallel); 1 for one-process backends."""
         backend = await self._ensure()
         return int(await self._admin("world_size")) if callable(getattr(backend, "world_size", None)) else 1
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def scheduler_stats(self) -> SchedulerStats | None:
+        """The backend's running and waiting sequences and KV use (its ``scheduler_stats()``); None without one."""
+        backend = await self._ensure()
+        if not callable(getattr(backend, "scheduler_stats", None)):
+            return None
+        return await self._admin("scheduler_stats")
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def drop_session(self, session_id: str) -> None:

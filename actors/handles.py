@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from rollout.engines.protocol import GenerateOutput, GenerateRequest
+from rollout.engines.protocol import GenerateOutput, GenerateRequest, SchedulerStats
 from rollout.turns import Finished, NextPrompt, RolloutMeta, SampledTurn
 
 _encode_request = msgspec.json.Encoder().encode
@@ -99,3 +99,6 @@ class RayEngine:
 
     async def drop_session(self, session_id: str) -> None:
         await self.actor.drop_session.remote(session_id)
+
+    async def scheduler_stats(self) -> SchedulerStats | None:
+        return await self.actor.scheduler_stats.remote()

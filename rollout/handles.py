@@ -13,7 +13,14 @@ import inspect
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .engines.protocol import EngineBackend, GenerateOutput, GenerateRequest, Unsupported, load_weights
+from .engines.protocol import (
+    EngineBackend,
+    GenerateOutput,
+    GenerateRequest,
+    SchedulerStats,
+    Unsupported,
+    load_weights,
+)
 from .turns import Finished, NextPrompt, RolloutMeta, SampledTurn
 
 if TYPE_CHECKING:
@@ -81,6 +88,10 @@ class EngineHandle(Protocol):
     async def wake_up(self, tags: list[str] | None = None) -> None: ...
 
     async def drop_session(self, session_id: str) -> None: ...
+
+    async def scheduler_stats(self) -> SchedulerStats | None:
+        """Running and waiting sequences and KV use (vLLM's ``vllm:`` gauges); None when the backend cannot tell."""
+        ...
 
 
 class LocalRenderer:
@@ -178,6 +189,11 @@ class LocalEngine:
     async def drop_session(self, session_id: str) -> None:
         if callable(getattr(self.backend, "drop_session", None)):
             await self._admin("drop_session", session_id)
+
+    async def scheduler_stats(self) -> SchedulerStats | None:
+        if not callable(getattr(self.backend, "scheduler_stats", None)):
+            return None
+        return await self._admin("scheduler_stats")
 
     async def _admin(self, name: str, *args: Any) -> Any:
         """The backend's optional method ``name``, sync or async; Unsupported when it has none."""

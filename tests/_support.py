@@ -315,3 +315,45 @@ def ray_session_pids(ray_dir: str, cmdline_has: bytes) -> list[int]:
             if mine in environ and cmdline_has in cmdline:
                 pids.append(int(entry))
     return pids
+
+
+def prime_rl_load(text: str) -> dict[str, dict]:
+    """What prime-rl's orchestrator takes from a ``/metrics`` text, per ``engine`` label: the steps of its
+    ``parse_prometheus_text`` and ``build_load_sample`` (src/prime_rl/orchestrator/inference_metrics.py at prime-rl
+    559b447), on the same parser (prometheus_client's). Its concurrency controller sizes episodes in flight by
+    these values only; a family it cannot parse raises here as it would there."""
+    import math
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engines: dict[str, dict] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("vllm:") or family.type not in ("counter", "gauge", "histogram"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created") or not math.isfinite(sample.value):
+                continue
+            e = engines.setdefault(sample.labels.get("engine", "0"), {"gauges": {}, "counters": {}, "cache": {}})
+            if family.name == "vllm:cache_config_info":
+                e["cache"].update(sample.labels)
+                continue
+            name = sample.name.removeprefix("vllm:")
+            if name == "num_requests_waiting_by_reason":
+                name = f"num_requests_waiting_reason_{sample.labels.get('reason', 'unknown')}"
+            kind = "gauges" if family.type == "gauge" else "counters" if family.type == "counter" else None
+            if kind:
+                e[kind][name] = e[kind].get(name, 0.0) + sample.value
+    out = {}
+    for label, e in engines.items():
+        cache, g = e["cache"], e["gauges"]
+        size = cache.get("kv_cache_size_tokens", "")
+        blocks, block = cache.get("num_gpu_blocks", ""), cache.get("block_size", "")
+        capacity = int(size) if size.isdigit() else int(blocks) * int(block) if blocks.isdigit() and block.isdigit() \
+            else None
+        preemptions = max((e["counters"][k] for k in ("num_preemptions", "num_preemptions_total")
+                           if k in e["counters"]), default=None)
+        out[label] = {"kv_capacity_tokens": capacity, "kv_usage": g.get("kv_cache_usage_perc", 0.0),
+                      "running": int(g.get("num_requests_running", 0.0)),
+                      "waiting": int(g.get("num_requests_waiting", 0.0)),
+                      "waiting_capacity": g.get("num_requests_waiting_reason_capacity"), "preemptions": preemptions}
+    return out

@@ -360,6 +360,33 @@ def test_more_requests_than_rows_queue_and_all_finish(env):
     assert [len(o.results[0].completion_ids) for o in outs] == [2 + i % 3 for i in range(len(reqs))]
 
 
+def test_scheduler_stats_count_rows_queue_and_kv_as_vllm_reports_them(env):
+    runner, engine = env
+    cap = engine.max_batch * engine.info().max_model_len
+
+    async def go():
+        idle = engine.scheduler_stats()
+        first = asyncio.create_task(engine.generate(req("st-a", max_tokens=300, ignore_eos=True, n=6, temperature=1.0)))
+        while not engine._running:
+            await asyncio.sleep(0.01)
+        # 6 rows run; 3 more cannot fit the 8 rows, and 2 behind them wait in order
+        rest = [asyncio.create_task(engine.generate(req(rid, max_tokens=300, ignore_eos=True, n=n, temperature=1.0)))
+                for rid, n in (("st-b", 3), ("st-c", 2))]
+        await asyncio.sleep(0.3)
+        busy = engine.scheduler_stats()
+        held = sum(s.fed for s in engine._running)
+        for rid in ("st-a", "st-b", "st-c"):
+            await engine.abort(rid)
+        await asyncio.gather(first, *rest)
+        return idle, busy, held, engine.scheduler_stats()
+
+    idle, busy, held, after = runner.run(go())
+    assert (idle.running, idle.waiting, idle.kv_cache_usage, idle.kv_cache_size_tokens) == (0, 0, 0.0, cap)
+    assert (busy.running, busy.waiting, busy.waiting_for_capacity, busy.preemptions) == (6, 5, 5, 0)
+    assert busy.kv_cache_usage > 0 and busy.kv_cache_usage == pytest.approx(held / cap, abs=6 * 20 / cap)
+    assert (after.running, after.waiting, after.kv_cache_usage) == (0, 0, 0.0)
+
+
 def test_update_weights_waits_for_running_requests(env):
     from rollout.models import converted_dir
 

@@ -25,7 +25,7 @@ import ray  # noqa: E402
 
 from rollout.config import ServeConfig, load_config  # noqa: E402
 
-from ._support import http_call, reference, serving, tokenizer_dir  # noqa: E402
+from ._support import http_call, prime_rl_load, reference, serving, tokenizer_dir  # noqa: E402
 
 QWEN = "qwen2.5-7b-instruct"
 VOCAB = 151665
@@ -248,6 +248,7 @@ def test_client_disconnect_aborts_the_engine_request(server):
     time.sleep(0.5)
     _, h = request(server, "GET", "/health")
     assert sum(e["backend"]["running"] for e in h["engines"]) == 1  # it is running
+    assert sum(e["running"] for e in prime_rl_load(request(server, "GET", "/metrics")[1]).values()) == 1
     sock.close()  # 900 tokens x 2 ms: it would run ~1.5 s more
     assert _engines_idle(server, 0.8), "the engine kept generating for a client that hung up"
     assert metric(server, "aborts_total", cause="client_disconnect") == before + 1
@@ -267,6 +268,11 @@ def test_pause_resume_and_update_weights(server):
     t.start()
     time.sleep(0.4)
     assert "r" not in out, "a request was served while paused"
+    # prime-rl reads the held request as waiting (deferred: it waits for the pause, not for KV room); the replay
+    # engines report no scheduler: no KV budget is claimed for them
+    load = prime_rl_load(request(server, "GET", "/metrics")[1])
+    assert (load["0"]["waiting"], load["0"]["waiting_capacity"], load["0"]["kv_capacity_tokens"]) == (1, 0, None)
+    assert sum(e["running"] for e in load.values()) == 0
     post(server, "/resume", {})
     t.join(10)
     assert out["r"][0] == 200

@@ -21,7 +21,16 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 
-from ._support import EMBEDDED_ENGINE, SMOLLM2, cached_venv, http_call, reference, serving, smollm2_gguf  # noqa: E402
+from ._support import (  # noqa: E402
+    EMBEDDED_ENGINE,
+    SMOLLM2,
+    cached_venv,
+    http_call,
+    prime_rl_load,
+    reference,
+    serving,
+    smollm2_gguf,
+)
 
 RENDERERS_PYPI = "0.1.12"
 # openai 3.x depends on httpx2, while renderers 0.1.12's client imports httpx (undeclared): pin openai 2.x
@@ -123,6 +132,38 @@ def test_client_hanging_up_stops_the_engine(server):
     assert state.metrics.get("finish_total", finish="abort") == 1  # the engine returned the request as aborted
     status, r = post(server, "/inference/v1/generate", {"token_ids": [1, 9690], "sampling_params": {"max_tokens": 2}})
     assert status == 200 and len(r["choices"][0]["token_ids"]) == 2
+
+
+def test_vllm_metrics_show_the_embedded_engines_rows_queue_and_kv(server):
+    """prime-rl's reading of /metrics (tests/_support.py ``prime_rl_load``) while 10 long requests meet the 8 rows
+    of the engine (EMBEDDED_ENGINE: max_batch 8, max_model_len 2048): 8 run, 2 wait for room, KV is held, and the
+    KV budget is 8 x 2048 tokens."""
+    import threading
+
+    rids = [f"smol-load-{i}" for i in range(10)]
+    threads = [threading.Thread(target=post, args=(server, "/inference/v1/generate", {
+        "token_ids": [1, 9690, 198], "request_id": rid, "sampling_params": {"max_tokens": 1500, "ignore_eos": True}}))
+        for rid in rids]
+    for t in threads:
+        t.start()
+    try:
+        deadline, load = time.monotonic() + 30, {}
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+                load = prime_rl_load(r.read().decode())["0"]
+            if load["running"] == 8 and load["waiting"] == 2 and load["kv_usage"] > 0:
+                break
+            time.sleep(0.1)
+        assert load["running"] == 8 and load["waiting"] == 2 and load["waiting_capacity"] == 2, load
+        assert load["kv_capacity_tokens"] == 8 * 2048 and 0 < load["kv_usage"] < 0.5, load
+        assert load["preemptions"] == 0
+    finally:
+        post(server, "/inference/v1/abort_requests", {"request_ids": rids})
+        for t in threads:
+            t.join(60)
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        after = prime_rl_load(r.read().decode())["0"]
+    assert (after["running"], after["waiting"], after["kv_usage"]) == (0, 0, 0.0), after
 
 
 def test_openai_sdk_stream_from_the_engine_actor(server):

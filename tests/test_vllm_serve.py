@@ -461,3 +461,50 @@ def test_update_weights_route_loads_a_training_step(servers, tmp_path):
     status, again = _call(base, "POST", "/inference/v1/generate", body)
     assert status == 200 and again["choices"][0]["weight_versions"][0]["version"] == "1"
     assert before["choices"][0]["weight_versions"][0]["version"] == "0"
+
+
+def _metrics_text(base: str) -> str:
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
+        return resp.read().decode()
+
+
+def test_vllm_metric_families_side_by_side(servers):
+    """While one long request runs, prime-rl's reading of /metrics (tests/_support.py ``prime_rl_load``) finds the
+    same load on both servers: 1 running, none waiting, KV in use, the same KV budget; and every ``vllm:`` family
+    tito writes is one vLLM's server writes, with the same type and labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests._support import prime_rl_load
+
+    seen: dict[str, tuple[dict, dict]] = {}
+    for name, base in servers.items():
+        rid = f"side-metrics-{name}"
+        body = {"request_id": rid, "token_ids": _prompt(),
+                "sampling_params": {"max_tokens": MAX_MODEL_LEN - 64, "temperature": 0.0, "ignore_eos": True}}
+        t = threading.Thread(target=_call, args=(base, "POST", "/inference/v1/generate", body))
+        t.start()
+        deadline, load = time.monotonic() + 60, {}
+        while time.monotonic() < deadline:
+            text = _metrics_text(base)
+            load = prime_rl_load(text)
+            if load.get("0", {}).get("running") == 1 and load["0"]["kv_usage"] > 0:
+                break
+            time.sleep(0.2)
+        families = {f.name: (f.type, {k for s in f.samples for k in s.labels}) for f in
+                    text_string_to_metric_families(text) if f.name.startswith("vllm:")}
+        _call(base, "POST", "/inference/v1/abort_requests", {"request_ids": [f"generate-tokens-{rid}"]})
+        t.join(120)
+        seen[name] = (load.get("0", {}), families)
+    (ref, ref_families), (got, got_families) = seen["vllm"], seen["tito"]
+    assert ref["running"] == got["running"] == 1 and ref["waiting"] == got["waiting"] == 0, seen
+    assert got["kv_usage"] > 0 and ref["kv_usage"] > 0
+    assert got["kv_capacity_tokens"] == ref["kv_capacity_tokens"] and got["kv_capacity_tokens"] > 0
+    assert got["preemptions"] == ref["preemptions"] == 0
+    assert got["waiting_capacity"] == ref["waiting_capacity"] == 0
+    for family, (kind, labels) in got_families.items():
+        assert family in ref_families, f"vLLM's server has no {family}"
+        ref_kind, ref_labels = ref_families[family]
+        assert kind == ref_kind, family
+        # vLLM's cache_config_info carries every CacheConfig field; tito's the ones that size the KV
+        assert labels <= ref_labels or family == "vllm:cache_config_info", (family, labels, ref_labels)
+    assert {"engine", "block_size", "num_gpu_blocks"} <= got_families["vllm:cache_config_info"][1]

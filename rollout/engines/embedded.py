@@ -60,6 +60,7 @@ from .protocol import (
     GenerateOutput,
     GenerateRequest,
     GenerateResult,
+    SchedulerStats,
     Timings,
     TokenLogprobs,
     validate_request,
@@ -169,6 +170,25 @@ class EmbeddedEngine:
         return EngineInfo(backend="embedded", model=self.model_name, vocab_size=self.model.config.vocab_size,
                           max_model_len=self._max_model_len, weight_version=self.weight_version,
                           eos_token_ids=list(self._eos))
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The running batch against its KV budget (``max_batch`` rows of ``max_model_len`` tokens: the most the
+        batch buffer holds) and the queue; never preempts. A queued request waits for capacity when the rows
+        left cannot take its ``n``, or one ahead of it waits so (the other reason to wait is the per-step prefill budget)."""
+        capacity = self.max_batch * self._max_model_len
+        held = sum(seq.fed for seq in self._running)
+        rows = len(self._running)
+        waiting = for_capacity = 0
+        blocked = False  # admission is in order: behind a request that does not fit, every later one waits too
+        for req in self._waiting:
+            n = req.request.sampling.n
+            waiting += n
+            blocked = blocked or rows + n > self.max_batch
+            if blocked:
+                for_capacity += n
+            rows += n
+        return SchedulerStats(running=len(self._running), waiting=waiting, kv_cache_usage=min(1.0, held / capacity),
+                              kv_cache_size_tokens=capacity, waiting_for_capacity=for_capacity)
 
     def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta | GenerateOutput]:
         """Token by token (after each scheduler step; see rollout/engines/streaming.py), then the output."""

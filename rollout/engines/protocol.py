@@ -127,6 +127,21 @@ class EngineInfo(msgspec.Struct):
     scores_prompts: bool = True  # whether it computes prompt_logprobs (a model forward over the prompt)
 
 
+class SchedulerStats(msgspec.Struct):
+    """What an engine's scheduler holds at this moment, in vLLM's terms (its ``SchedulerStats`` and cache config):
+    the server exports it as vLLM's ``vllm:`` metric families, which prime-rl's concurrency controller sizes its
+    episodes in flight by. Counts are of sequences (a request with ``n`` completions counts ``n``, as vLLM's
+    scheduler counts its child requests). A backend reports it with an optional ``scheduler_stats()`` method."""
+
+    running: int  # sequences in the running batch
+    waiting: int  # sequences queued, not yet admitted
+    kv_cache_usage: float  # fraction of the KV budget the running sequences hold, in [0, 1]
+    kv_cache_size_tokens: int  # the KV budget in tokens (vLLM: num_gpu_blocks x block_size)
+    block_size: int = 1  # tokens per KV block (the embedded engine allocates per token)
+    preemptions: int = 0  # sequences preempted since start (cumulative)
+    waiting_for_capacity: int | None = None  # of ``waiting``, those queued for lack of KV or batch room
+
+
 @runtime_checkable
 class EngineBackend(Protocol):
     async def generate(self, request: GenerateRequest) -> GenerateOutput:

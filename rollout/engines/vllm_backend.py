@@ -77,6 +77,7 @@ from rollout.engines.protocol import (
     GenerateOutput,
     GenerateRequest,
     GenerateResult,
+    SchedulerStats,
     Timings,
     TokenLogprobs,
     Unsupported,
@@ -271,7 +272,11 @@ class VLLMEngine:
         self._SamplingParams = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
         self._tokens_input = tokens_input
-        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        # vLLM's scheduler reports its queue and KV use to stat loggers only: this one keeps the last report for
+        # scheduler_stats() (the server's vllm: gauges); with it alone vLLM starts no logging or Prometheus logger
+        self._scheduler_report = _SchedulerReport()
+        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs),
+                                                 stat_loggers=[self._scheduler_report.logger_factory()])
         self._extension = kwargs["worker_extension_cls"] == WORKER_EXTENSION
         self._model = model
         self._version = int(weight_version)
@@ -525,6 +530,23 @@ class VLLMEngine:
             raise Unsupported(problem)
         await self._engine.wake_up(tags)
 
+    def scheduler_stats(self) -> SchedulerStats:
+        """vLLM's scheduler as it last reported (each engine step): running and waiting requests, KV cache usage,
+        cumulative preemptions; the KV budget is the cache config's ``num_gpu_blocks`` x ``block_size``. Requests
+        held at this backend's gate during a weight update count as waiting (vLLM has not seen them yet)."""
+        cache = self._engine.vllm_config.cache_config
+        blocks, block_size = int(cache.num_gpu_blocks or 0), int(cache.block_size or 1)
+        report = self._scheduler_report
+        last = report.last if self._active else None  # idle: vLLM sends no report after the last step
+        held = len(self._waiting)
+        running = int(last.num_running_reqs) if last else 0
+        capacity = int(last.num_waiting_reqs) if last else 0
+        deferred = int(last.num_skipped_waiting_reqs) if last else 0
+        return SchedulerStats(running=running, waiting=capacity + deferred + held,
+                              kv_cache_usage=float(last.kv_cache_usage) if last else 0.0,
+                              kv_cache_size_tokens=blocks * block_size, block_size=block_size,
+                              preemptions=report.preemptions, waiting_for_capacity=capacity)
+
     def world_size(self) -> int:
         """vLLM's workers behind this engine: tensor x pipeline x data parallel (``world_size_across_dp``)."""
         parallel = self._engine.vllm_config.parallel_config
@@ -573,6 +595,36 @@ class VLLMEngine:
             for _ in range(request.sampling.n)
         ]
         return GenerateOutput(request_id=request.request_id, prompt_len=len(request.prompt_ids), results=results)
+
+
+class _SchedulerReport:
+    """The last ``SchedulerStats`` vLLM's engine core sent and the preemptions counted so far, filled by a vLLM
+    stat logger (``StatLoggerBase``, which vLLM calls on its output loop after every engine step)."""
+
+    def __init__(self) -> None:
+        self.last: Any = None
+        self.preemptions = 0
+
+    def logger_factory(self) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        report = self
+
+        class Recorder(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                       engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    report.last = scheduler_stats
+                if iteration_stats is not None:
+                    report.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return Recorder
 
 
 def _token_versions(spans: Iterable[Any] | None, tokens: int, started: int) -> list[int]:

@@ -34,6 +34,7 @@ from .chat_session import SESSION_END, end_session, evict_over_budget
 from .fleet import DuplicateRequest, EngineUnavailable
 from .guard import Guard
 from .logprobs import generate_extras, generate_logprobs, prompt_logprobs
+from .metrics import vllm_families
 from .openai_routes import chat_completions, completions, detokenize, tokenize
 from .responses import token_decoder
 from .schemas import (
@@ -194,7 +195,9 @@ async def metrics(state: ServerState, request: Request) -> Response:
     m.set("sleeping", int(bool(fleet.sleep_level)))
     m.set("paused", int(fleet.paused))
     m.set("weight_version", fleet.weight_version)
-    return PlainTextResponse(m.render(), media_type="text/plain; version=0.0.4")
+    loads = [0 if i in fleet.dead else load for i, load in enumerate(fleet.router.load)]
+    vllm = vllm_families(state.model_names[0], await fleet.scheduler_stats(), loads, fleet.held)
+    return PlainTextResponse(m.render() + vllm, media_type="text/plain; version=0.0.4")
 
 
 async def session_sample(state: ServerState, request: Request) -> Response:

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..engines.protocol import EngineInfo, GenerateOutput, GenerateRequest, Unsupported
+from ..engines.protocol import EngineInfo, GenerateOutput, GenerateRequest, SchedulerStats, Unsupported
 from ..handles import EngineHandle
 from ..routing import StickyLeastLoaded
 
@@ -75,6 +75,7 @@ class Fleet:
         self.sleep_level = 0  # 0: awake; else the level of POST /sleep (requests are refused with 503)
         self._world_size: int | None = None
         self.reroutes = 0  # requests sent again to another engine because theirs died
+        self.held = 0  # sequences of requests waiting for a pause to end (not yet routed to an engine)
 
     @property
     def paused(self) -> bool:
@@ -97,7 +98,7 @@ class Fleet:
         returned nothing yet. Raises EngineUnavailable once no engine is alive; an engine's refusal
         (EngineError) propagates unchanged."""
         while True:
-            await self._admitting.wait()
+            await self._held(request)
             index, route = self._admit(request, key)
             rid = request.request_id
             t0 = time.perf_counter()
@@ -119,6 +120,30 @@ class Fleet:
                 self._engine_died(index, exc)
             finally:
                 self._release(index, rid, route, key)
+
+    async def _held(self, request: GenerateRequest) -> None:
+        """Wait while generation is paused, counted in ``held`` (vllm:num_requests_waiting)."""
+        if self._admitting.is_set():
+            return
+        self.held += request.sampling.n
+        try:
+            await self._admitting.wait()
+        finally:
+            self.held -= request.sampling.n
+
+    async def scheduler_stats(self, timeout_s: float = 2.0) -> list[SchedulerStats | None]:
+        """Each engine's scheduler report (running and waiting sequences, KV use); None for a dead engine, one
+        whose backend cannot tell, or one that does not answer within ``timeout_s``."""
+
+        async def one(i: int, engine: EngineHandle) -> SchedulerStats | None:
+            if i in self.dead or not callable(getattr(engine, "scheduler_stats", None)):
+                return None
+            try:
+                return await asyncio.wait_for(engine.scheduler_stats(), timeout_s)
+            except Exception:  # noqa: BLE001 - a metrics scrape must not fail for one engine
+                return None
+
+        return list(await asyncio.gather(*(one(i, e) for i, e in enumerate(self.engines))))
 
     def _engine_died(self, index: int, exc: BaseException) -> None:
         """Drop a dead engine from routing; raise EngineUnavailable when it was the last one (else the
@@ -164,7 +189,7 @@ class Fleet:
         before its first item is replaced as in ``generate``; after it, the stream fails with EngineUnavailable
         (the client already holds tokens of that attempt)."""
         while True:
-            await self._admitting.wait()
+            await self._held(request)
             index, route = self._admit(request, key)
             rid = request.request_id
             engine = self.engines[index]

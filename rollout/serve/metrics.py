@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ..engines.protocol import SchedulerStats
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 
@@ -144,3 +146,52 @@ def server_metrics() -> Metrics:
                 "(validation + load; requests in flight are kept, not waited for)")
     m.histogram("weight_update_paused_seconds", "POST /update_weights: the time new requests were held (the load)")
     return m
+
+
+def vllm_families(model_name: str, stats: list[SchedulerStats | None], loads: list[int], held: int = 0) -> str:
+    """vLLM's scheduler families, as vLLM's own ``/metrics`` names and labels them (``model_name``, ``engine``),
+    one series per engine: what prime-rl's concurrency controller reads (running, waiting and capacity-waiting
+    requests, KV cache usage, preemptions, and the KV budget in ``vllm:cache_config_info``'s labels).
+
+    ``stats[i]`` is engine i's scheduler report; an engine without one (the replay engine, a dead or silent one)
+    gets its requests in flight as running (``loads[i]``) and no KV series. ``held``: sequences waiting at the
+    server for a pause to end, counted as waiting on the first engine (no engine has seen them)."""
+    series: dict[str, list[tuple[Labels, float]]] = defaultdict(list)
+    for i, (s, load) in enumerate(zip(stats, loads)):
+        labels: Labels = (("engine", str(i)), ("model_name", model_name))
+        extra = held if i == 0 else 0
+        running = s.running if s else load
+        waiting = (s.waiting if s else 0) + extra
+        # held requests wait for the pause, not for room: deferred
+        capacity = (s.waiting if s.waiting_for_capacity is None else s.waiting_for_capacity) if s else 0
+        series["num_requests_running"].append((labels, running))
+        series["num_requests_waiting"].append((labels, waiting))
+        series["num_requests_waiting_by_reason"] += [(labels + (("reason", "capacity"),), capacity),
+                                                     (labels + (("reason", "deferred"),), waiting - capacity)]
+        if s is None:
+            continue
+        series["kv_cache_usage_perc"].append((labels, s.kv_cache_usage))
+        series["num_preemptions"].append((labels, s.preemptions))
+        info = (("block_size", str(s.block_size)), ("engine", str(i)),
+                ("kv_cache_size_tokens", str(s.kv_cache_size_tokens)),
+                ("num_gpu_blocks", str(s.kv_cache_size_tokens // max(1, s.block_size))))
+        series["cache_config_info"].append((info, 1))
+    lines: list[str] = []
+    for name, kind, help_text in _VLLM_FAMILIES:
+        if name not in series:
+            continue
+        full = f"vllm:{name}_total" if kind == "counter" else f"vllm:{name}"  # as prometheus_client writes one
+        lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
+        lines += [f"{full}{_labels(labels)} {_number(value)}" for labels, value in series[name]]
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+_VLLM_FAMILIES = (
+    ("num_requests_running", "gauge", "Number of requests in model execution batches."),
+    ("num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
+    ("num_requests_waiting_by_reason", "gauge", "Number of waiting requests by reason: 'capacity' = waiting for "
+     "scheduling capacity; 'deferred' = deferred by transient constraints."),
+    ("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage."),
+    ("num_preemptions", "counter", "Cumulative number of preemption from the engine."),
+    ("cache_config_info", "gauge", "Information of the LLMCache: its KV budget (num_gpu_blocks x block_size)."),
+)
