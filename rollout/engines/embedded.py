@@ -54,6 +54,7 @@ from .embedded_kv import (
     register_attention,
     sample,
 )
+from .lora import AdapterError, LoraAdapter, LoraSlots, hook_targets, read_adapter
 from .protocol import (
     EngineError,
     EngineInfo,
@@ -109,6 +110,8 @@ class _Req:
     prefill_end: float = 0.0
     cached: int = 0
     listener: Listener | None = None  # generate_stream's: told the new tokens after each step
+    adapter_slot: int = -1  # request.lora's slot (see LoraSlots), -1: the base model
+    adapter_key: str | None = None  # "<name>@<version>" at admission: what its session KV was computed under
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # sampling.prompt_logprobs: scored at prefill
 
     @property
@@ -132,7 +135,7 @@ class EmbeddedEngine:
     def __init__(self, model: str | os.PathLike = "smollm2-135m", *, device: str | None = None,
                  max_batch: int = 32, kv_cache_bytes: int = 1 << 30, prefill_tokens_per_step: int = 2048,
                  max_model_len: int | None = None, threads: int | None = None,
-                 weight_version: int = 0, fetch: bool = True) -> None:
+                 weight_version: int = 0, fetch: bool = True, max_loras: int = 8, max_lora_rank: int = 64) -> None:
         from ..models import load_causal_lm
 
         if threads is not None:
@@ -164,6 +167,12 @@ class EmbeddedEngine:
         self._wake: asyncio.Event | None = None
         self._scheduler: asyncio.Task | None = None
         self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0}
+        # LoRA adapters (rollout/engines/lora.py): up to max_loras at once, each in a slot its requests' tokens name
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self._lora_slots = LoraSlots()
+        self._hooked: set[str] = set()
+        self._loras: dict[str, tuple[int, int, LoraAdapter]] = {}  # name -> (slot, version, adapter)
+        self._slot_version: dict[int, int] = {}
 
     # -- protocol ---------------------------------------------------------------------------------------
     def info(self) -> EngineInfo:
@@ -204,9 +213,15 @@ class EmbeddedEngine:
             )
         if request.request_id in self._by_id:
             raise EngineError(f"request {request.request_id}: a request with this id is already running")
+        slot = -1
+        if request.lora is not None:
+            if request.lora not in self._loras:
+                raise EngineError(f"request {request.request_id}: no LoRA adapter named {request.lora!r} is loaded",
+                                  "model")
+            slot = self._loras[request.lora][0]
         self._ensure_scheduler()
         req = _Req(request, asyncio.get_running_loop().create_future(), time.perf_counter(),
-                   [None] * request.sampling.n, listener=listener)
+                   [None] * request.sampling.n, listener=listener, adapter_slot=slot)
         self._by_id[request.request_id] = req
         self._waiting.append(req)
         self._wake.set()
@@ -266,6 +281,53 @@ class EmbeddedEngine:
         worker thread, so requests go on meanwhile. Returns the report (files, tensors, bytes, seconds); raises
         CheckpointError. An unchanged checkpoint that passed is not read again by the next update_weights."""
         return (await asyncio.to_thread(self._validate, str(path))).as_dict()
+
+    # -- LoRA adapters --------------------------------------------------------------------------------------
+
+    async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> int:
+        """Load the peft adapter in ``path`` as ``name`` (rollout/engines/lora.py); returns its version. It is read
+        and validated on a worker thread while the engine serves (AdapterError names the problem; nothing
+        changes), then installed between two steps. A name already loaded is swapped in place (prime-rl reloads
+        one name each step): its version becomes ``version``, else the old one + 1; its running requests go on
+        under the new adapter, their tokens stamped with the version that sampled each. A new name takes a free
+        slot (at most ``max_loras``) at ``version``, else 0."""
+        adapter = await asyncio.to_thread(read_adapter, name, path, self.model, self.max_lora_rank)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._install_adapter, adapter, version)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Forget ``name``: later requests naming it are refused; requests already given it finish with it."""
+        if name not in self._loras:
+            raise EngineError(f"no LoRA adapter named {name!r} is loaded", "lora_name")
+        del self._loras[name]
+
+    def lora_adapters(self) -> dict[str, dict]:
+        """The loaded adapters: name -> {version, path, rank, base_model}."""
+        return {name: {"version": v, "path": a.path, "rank": a.rank, "base_model": a.base_model}
+                for name, (_, v, a) in self._loras.items()}
+
+    def _install_adapter(self, adapter: LoraAdapter, version: int | None) -> int:
+        """On the engine's worker thread, between two steps."""
+        held = self._loras.get(adapter.name)
+        if held is not None:
+            slot = held[0]
+            version = held[1] + 1 if version is None else version
+            for seq in self._running:  # their KV so far is the old adapter's: it never goes to a session
+                if seq.req.adapter_slot == slot:
+                    seq.kept_across_update = True
+        else:
+            busy = {s for s, _, _ in self._loras.values()}
+            busy |= {s.req.adapter_slot for s in self._running} | {r.adapter_slot for r in self._waiting}
+            slot = next((i for i in range(self.max_loras) if i not in busy), None)
+            if slot is None:
+                raise AdapterError(f"adapter {adapter.name!r}: {self.max_loras} adapters (max_loras) are in use; "
+                                   "unload one first")
+            version = 0 if version is None else version
+        hook_targets(self.model, adapter, self._lora_slots, self._hooked)
+        self._lora_slots.adapters[slot] = adapter
+        self._slot_version[slot] = version
+        self._loras[adapter.name] = (slot, version, adapter)
+        return version
 
     async def wait_idle(self) -> None:
         """Return once nothing runs or waits (results are delivered one step before a finished sequence's
@@ -486,6 +548,8 @@ class EmbeddedEngine:
         r = req.request
         prompt = r.prompt_ids
         req.admitted = time.perf_counter()
+        if req.adapter_slot >= 0:
+            req.adapter_key = f"{r.lora}@{self._slot_version[req.adapter_slot]}"
         cached = None
         # a prompt to score is prefilled whole: cached KV has no logits to score its tokens with (vLLM, too,
         # skips its prefix cache for such requests); the session's entry stays for its next turn
@@ -493,7 +557,8 @@ class EmbeddedEngine:
             entry = self.sessions.take(r.session_id)
             # the prompt must extend the cached tokens; at least one token is prefilled to get logits
             held = len(entry.token_ids) if entry is not None else 0
-            if entry is not None and held <= len(prompt) and prompt[:held] == entry.token_ids:
+            if (entry is not None and held <= len(prompt) and prompt[:held] == entry.token_ids
+                    and entry.adapter == req.adapter_key):  # KV of another adapter (or version) is not this one's
                 cached = entry
         reuse = 0 if cached is None else min(len(cached.token_ids), len(prompt) - 1)
         row = len(self._running)
@@ -524,10 +589,17 @@ class EmbeddedEngine:
             else:
                 keep.append(start + length - 1)
             last.append(len(keep) - 1)
+        slots = [s.req.adapter_slot for s in decoding]
+        for req, _, reuse in joining:
+            slots += [req.adapter_slot] * (req.prompt_len - reuse)
+        self._lora_slots.token_slot = torch.tensor(slots, device=self.device) if max(slots) >= 0 else None
         t0 = time.perf_counter()
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=plan.positions[None],
-                         **{_cache_arg(self.model): self.kv}, use_cache=True,
-                         logits_to_keep=torch.tensor(keep, device=self.device))
+        try:
+            out = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=plan.positions[None],
+                             **{_cache_arg(self.model): self.kv}, use_cache=True,
+                             logits_to_keep=torch.tensor(keep, device=self.device))
+        finally:
+            self._lora_slots.token_slot = None
         logits = out.logits[0].float()
         t1 = time.perf_counter()
         for s in decoding:
@@ -547,7 +619,8 @@ class EmbeddedEngine:
             self.stats["cached_tokens"] += reuse
             if req.request.session_id is not None and n > 1:  # every completion extends the prompt: keep it
                 self.sessions.put(req.request.session_id,
-                                  SessionKV(list(req.request.prompt_ids), self.kv.read_row(row, req.prompt_len)))
+                                  SessionKV(list(req.request.prompt_ids), self.kv.read_row(row, req.prompt_len),
+                                            req.adapter_key))
             if req.request.sampling.prompt_logprobs is not None:  # its whole prompt was prefilled (reuse 0)
                 req.prompt_logprobs = prompt_scores(logits[last[j] - req.prompt_len + 1: last[j] + 1],
                                                     req.request.prompt_ids, req.request.sampling.prompt_logprobs)
@@ -568,7 +641,8 @@ class EmbeddedEngine:
             sp = seq.req.request.sampling
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
-            seq.versions.append(self.weight_version)
+            slot = seq.req.adapter_slot
+            seq.versions.append(self._slot_version[slot] if slot >= 0 else self.weight_version)
             if top is not None:
                 seq.tops.append(top)
             if not sp.ignore_eos and tok in sp.stop_token_ids:
@@ -590,7 +664,8 @@ class EmbeddedEngine:
             r = seq.req.request
             if (seq.finalizing and seq.fed == len(seq.tokens) and r.session_id and r.sampling.n == 1
                     and not seq.kept_across_update):
-                self.sessions.put(r.session_id, SessionKV(list(seq.tokens), self.kv.read_row(row, seq.fed)))
+                self.sessions.put(r.session_id, SessionKV(list(seq.tokens), self.kv.read_row(row, seq.fed),
+                                                                seq.req.adapter_key))
         self._drop_rows(lambda s: s.finalizing and (s.fed == len(s.tokens) or not self._keeps_session(s)))
 
     def _keeps_session(self, seq: _Seq) -> bool:
@@ -631,7 +706,8 @@ class EmbeddedEngine:
             finish_reason=reason,
             stop_token_id=stop_id,
             cached_prompt_tokens=req.cached,
-            weight_version=min(versions) if versions else self.weight_version,
+            weight_version=min(versions) if versions else (
+                self._slot_version.get(req.adapter_slot, 0) if req.adapter_slot >= 0 else self.weight_version),
             timings=Timings(queue_s=admitted - req.arrival, prefill_s=req.prefill_s,
                             decode_s=max(0.0, now - req.prefill_end) if req.prefill_end else 0.0),
             error=error,

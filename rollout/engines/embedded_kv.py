@@ -180,6 +180,7 @@ class BatchKV:
 class SessionKV:
     token_ids: list[int]  # the tokens whose KV ``kv`` holds, in order
     kv: torch.Tensor  # [layers, 2, kv_heads, len(token_ids), head_dim]
+    adapter: str | None = None  # the LoRA adapter it was computed under ("<name>@<version>"), None: the base model
 
     @property
     def nbytes(self) -> int:

@@ -73,6 +73,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt_ids: list[int]
     sampling: SamplingParams
     session_id: str | None = None  # a rollout's id: the engine may keep its KV for the next turn
+    lora: str | None = None  # the name of a loaded LoRA adapter to sample with (vLLM: `model: <lora_name>`)
 
 
 class Timings(msgspec.Struct):
