@@ -228,6 +228,14 @@ class EngineActorImpl:
         return int(await self._admin("world_size")) if callable(getattr(backend, "world_size", None)) else 1
 
     @ray.method(concurrency_group=CONTROL_GROUP)
+    async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> int:
+        return int(await self._admin("load_lora_adapter", name, path, version))
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._admin("unload_lora_adapter", name)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def scheduler_stats(self) -> SchedulerStats | None:
         """The backend's running and waiting sequences and KV use (its ``scheduler_stats()``); None without one."""
         backend = await self._ensure()

@@ -100,5 +100,11 @@ class RayEngine:
     async def drop_session(self, session_id: str) -> None:
         await self.actor.drop_session.remote(session_id)
 
+    async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> int:
+        return await self.actor.load_lora_adapter.remote(name, path, version)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self.actor.unload_lora_adapter.remote(name)
+
     async def scheduler_stats(self) -> SchedulerStats | None:
         return await self.actor.scheduler_stats.remote()

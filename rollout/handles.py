@@ -89,6 +89,12 @@ class EngineHandle(Protocol):
 
     async def drop_session(self, session_id: str) -> None: ...
 
+    async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> int:
+        """Load (or swap) a LoRA adapter served as ``name``; returns its version (Unsupported on a backend without)."""
+        ...
+
+    async def unload_lora_adapter(self, name: str) -> None: ...
+
     async def scheduler_stats(self) -> SchedulerStats | None:
         """Running and waiting sequences and KV use (vLLM's ``vllm:`` gauges); None when the backend cannot tell."""
         ...
@@ -189,6 +195,12 @@ class LocalEngine:
     async def drop_session(self, session_id: str) -> None:
         if callable(getattr(self.backend, "drop_session", None)):
             await self._admin("drop_session", session_id)
+
+    async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> int:
+        return int(await self._admin("load_lora_adapter", name, path, version))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._admin("unload_lora_adapter", name)
 
     async def scheduler_stats(self) -> SchedulerStats | None:
         if not callable(getattr(self.backend, "scheduler_stats", None)):

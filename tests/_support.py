@@ -357,3 +357,31 @@ def prime_rl_load(text: str) -> dict[str, dict]:
                       "waiting": int(g.get("num_requests_waiting", 0.0)),
                       "waiting_capacity": g.get("num_requests_waiting_reason_capacity"), "preemptions": preemptions}
     return out
+
+
+def write_adapter(base, out, *, seed: int, r: int = 8, alpha: int = 16, targets=("q_proj", "v_proj", "down_proj"),
+                  **extra):
+    """A peft LoRA adapter of ``base`` with random A and B, saved as peft saves it; returns the peft model."""
+    import peft
+    import torch
+
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                          lora_dropout=0.0, **extra)
+    model = peft.get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05 / max(p.abs().max().item(), 1e-6))  # deltas large enough to matter, small enough to read
+    model.save_pretrained(str(out))
+    model.eval()
+    return model
+
+
+def logprobs_of(model, prompt: list[int], completion: list[int]) -> list[float]:
+    import torch
+
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + completion])).logits[0].double()
+    lp = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)
+    return lp.gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()

@@ -15,7 +15,7 @@ import torch
 from rollout.engines.embedded import EmbeddedEngine
 from rollout.engines.lora import AdapterError
 from rollout.engines.protocol import EngineError, GenerateRequest, SamplingParams
-from tests._support import smollm2_gguf
+from tests._support import logprobs_of, smollm2_gguf, write_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -38,22 +38,6 @@ async def _build(model: str) -> EmbeddedEngine:
     return EmbeddedEngine(model, threads=1, max_batch=8, max_loras=2, max_lora_rank=16)
 
 
-def write_adapter(base, out, *, seed: int, r: int = 8, alpha: int = 16, targets=("q_proj", "v_proj", "down_proj"),
-                  **extra):
-    """A peft LoRA adapter of ``base`` with random A and B, saved as peft saves it; returns the peft model."""
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
-                          lora_dropout=0.0, **extra)
-    model = peft.get_peft_model(base, cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(0.05 / max(p.abs().max().item(), 1e-6))  # deltas large enough to matter, small enough to read
-    model.save_pretrained(str(out))
-    model.eval()
-    return model
-
-
 @pytest.fixture(scope="module")
 def adapters(env, tmp_path_factory):
     """Two adapters saved by peft, with a peft model of each (the reference) and the plain base."""
@@ -64,13 +48,6 @@ def adapters(env, tmp_path_factory):
     for name, seed, targets in (("a", 1, ("q_proj", "v_proj", "down_proj")), ("b", 2, ("k_proj", "o_proj", "up_proj"))):
         refs[name] = write_adapter(load_causal_lm(env[1].model_name), root / name, seed=seed, targets=targets)
     return root, refs, load_causal_lm(env[1].model_name)
-
-
-def logprobs_of(model, prompt: list[int], completion: list[int]) -> list[float]:
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + completion])).logits[0].double()
-    lp = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)
-    return lp.gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
 
 
 def req(rid: str, lora: str | None = None, **sampling) -> GenerateRequest:

@@ -136,7 +136,7 @@ def test_generate_stop_ids_n_and_server_side_default_max_tokens(server):
     ({"token_ids": [1] * 1000, "sampling_params": {"max_tokens": 100}}, 400,
      "prompt (1000 tokens) + max_tokens (100) exceeds max_model_len 1024"),
     ({"token_ids": [1] * MAX_LEN, "sampling_params": {}}, 400, "leaves no room"),
-    ({"model": "gpt-4", "token_ids": [1], "sampling_params": {"max_tokens": 4}}, 400, "unknown model 'gpt-4'"),
+    ({"model": "gpt-4", "token_ids": [1], "sampling_params": {"max_tokens": 4}}, 404, "The model `gpt-4` does not exist"),
     ({"token_ids": [1], "sampling_params": {"max_tokens": 4, "bad_words": ["a"]}}, 400,
      "sampling_params.bad_words=['a'] is not supported"),
     ({"token_ids": [1], "sampling_params": {"max_tokens": 4, "logit_bias": {"5": 1.0}}}, 400, "logit_bias"),

@@ -139,8 +139,6 @@ def test_what_cannot_be_real_here_is_501_naming_why(server):
         ("/init_broadcaster", {"host": "127.0.0.1", "port": 29500, "rank_offset": 0, "inference_world_size": 2,
                                "timeout": 60}, "NCCL"),
         ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1"}}, "NCCL"),
-        ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/a"}, "LoRA"),
-        ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/a", "load_inplace": True}, "LoRA"),
         ("/update_weights", {"update_info": {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}}, "NCCL"),
         ("/reset_prefix_cache?reset_external=true", None, "external"),
     ]:

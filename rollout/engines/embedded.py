@@ -178,7 +178,7 @@ class EmbeddedEngine:
     def info(self) -> EngineInfo:
         return EngineInfo(backend="embedded", model=self.model_name, vocab_size=self.model.config.vocab_size,
                           max_model_len=self._max_model_len, weight_version=self.weight_version,
-                          eos_token_ids=list(self._eos))
+                          eos_token_ids=list(self._eos), max_loras=self.max_loras)
 
     def scheduler_stats(self) -> SchedulerStats:
         """The running batch against its KV budget (``max_batch`` rows of ``max_model_len`` tokens: the most the

@@ -44,6 +44,15 @@ class LoraAdapter:
     base_model: str | None = None  # the adapter_config's base_model_name_or_path, as written (informative)
 
 
+_STEP_DIR = re.compile(r"step_(0|[1-9][0-9]{0,9})")  # a canonical broadcasts/step_N (rollout/data/layout.py)
+
+
+def adapter_step(path: str | Path) -> int | None:
+    """N when ``path`` is a ``step_N`` directory (prime-rl's broadcasts/step_N/: the adapter is policy version N)."""
+    m = _STEP_DIR.fullmatch(Path(path).name)
+    return int(m.group(1)) if m and int(m.group(1)) < 2**31 else None
+
+
 def is_adapter_dir(path: str | Path) -> bool:
     """Whether ``path`` holds a peft adapter (its config file): a broadcast step with one is an adapter step."""
     return (Path(path) / ADAPTER_CONFIG).is_file()

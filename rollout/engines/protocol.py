@@ -126,6 +126,7 @@ class EngineInfo(msgspec.Struct):
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     max_logprobs: int = MAX_LOGPROBS  # the most top_logprobs / prompt_logprobs alternatives it reports; 0: none
     scores_prompts: bool = True  # whether it computes prompt_logprobs (a model forward over the prompt)
+    max_loras: int = 0  # the most LoRA adapters it holds at once (load_lora_adapter); 0: it serves none
 
 
 class SchedulerStats(msgspec.Struct):
@@ -228,6 +229,9 @@ def validate_request(request: GenerateRequest, info: EngineInfo) -> None:
     if s.prompt_logprobs is not None and not info.scores_prompts:
         raise EngineError(f"request {request.request_id}: prompt_logprobs: the {info.backend} engine does not "
                           "score prompts (it runs no model)", "prompt_logprobs")
+    if request.lora is not None and not info.max_loras:
+        raise EngineError(f"request {request.request_id}: the {info.backend} engine serves no LoRA adapters "
+                          f"(asked for {request.lora!r})", "model")
     bad_stop = next((t for t in s.stop_token_ids if t < 0 or t >= info.vocab_size), None)
     if bad_stop is not None:
         raise EngineError(f"request {request.request_id}: stop token id {bad_stop} is outside the vocabulary",

@@ -19,13 +19,14 @@ from typing import Literal
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from ..engines.checkpoint import CheckpointError
+from ..engines.lora import AdapterError, adapter_step
 from . import calls
 from .calls import json_response, root_cause
 from .fleet import EngineAsleep
-from .schemas import BadRequest, Conflict, decode
+from .schemas import BadRequest, Conflict, NotFound, decode
 from .state import ServerState
 
 PauseMode = Literal["wait", "abort", "keep"]
@@ -42,6 +43,18 @@ class UpdateWeightsBody(msgspec.Struct, forbid_unknown_fields=True):
     version: int | None = None  # None: the current version + 1 (prime-rl sends none)
     skip_prefix_cache_reset: bool = False  # prime-rl's; KV of old weights is never reused here anyway
     update_info: dict | None = None  # TRL's / SkyRL's NCCL tensor update: 501
+
+
+class LoadLoraBody(msgspec.Struct):  # vLLM's LoadLoRAAdapterRequest (it ignores keys it does not know)
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
+
+
+class UnloadLoraBody(msgspec.Struct):  # vLLM's UnloadLoRAAdapterRequest
+    lora_name: str = ""
+    lora_int_id: int | None = None
 
 
 class SleepBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -173,19 +186,20 @@ FORBIDDEN_WEIGHT_DIR = ("weight_dir is not under the directory this server loads
 PICKLE_WEIGHTS = "pytorch_model*.bin*"
 
 
-def _weight_dir(state: ServerState, weight_dir: str) -> Path | Response:
+def _weight_dir(state: ServerState, weight_dir: str, param: str = "weight_dir") -> Path | Response:
     """``weight_dir`` resolved (symlinks followed; relative to the root), or a 403 that says nothing about
     the path: neither whether it exists nor what it is, so the route cannot be used to probe the machine."""
     if state.weights_root is None:
         return calls.error_response(403, "weight updates are off: set server.weights_root to the directory "
-                                    "holding the checkpoints", "PermissionDeniedError", "weight_dir")
+                                    "holding the checkpoints", "PermissionDeniedError", param)
     try:
         root = Path(state.weights_root).resolve()
         target = (root / weight_dir).resolve()
     except (OSError, RuntimeError):  # unreadable components, a symlink loop
         target = None
     if target is None or (target != root and root not in target.parents):
-        return calls.error_response(403, FORBIDDEN_WEIGHT_DIR, "PermissionDeniedError", "weight_dir")
+        return calls.error_response(403, FORBIDDEN_WEIGHT_DIR.replace("weight_dir", param), "PermissionDeniedError",
+                                    param)
     return target
 
 
@@ -206,8 +220,50 @@ async def init_broadcaster(state: ServerState, request: Request) -> Response:
 
 
 async def load_lora_adapter(state: ServerState, request: Request) -> Response:
-    return _not_here(request.url.path, "the engines serve one full model; LoRA adapters are not loaded "
-                     "(merge the adapter and POST /update_weights with the merged checkpoint)")
+    """vLLM's ``/v1/load_lora_adapter`` and prime-rl's ``/load_lora_adapter`` (its server's wrapper, which reloads a
+    name in place: it loads one name each step). The adapter directory must be under ``server.weights_root`` (403)
+    and pass the engines' adapter checks (400 naming the problem: base, rank, shapes, finite values); then every
+    engine serves it as ``model: <lora_name>``. Its version: N for a ``step_N`` directory, else the previous + 1
+    (0 at first). vLLM's answers: 400 for a missing name or path, a name taken by the base model, or a name loaded
+    already without ``load_inplace``; 200 with its text (prime-rl's route: ``{"status": "ok"}``)."""
+    body: LoadLoraBody = await _body(state, request, LoadLoraBody)
+    prime_rl = request.url.path == "/load_lora_adapter"
+    if not body.lora_name or not body.lora_path:
+        raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+    if body.lora_name in state.model_names:
+        raise BadRequest(f"The lora adapter '{body.lora_name}' conflicts with a served base model.", "lora_name")
+    if body.lora_name in state.loras and not (body.load_inplace or prime_rl):
+        raise BadRequest(f"The lora adapter '{body.lora_name}' has already been loaded. If you want to load the "
+                         "adapter in place, set 'load_inplace' to True.", "lora_name")
+    path = _weight_dir(state, body.lora_path, "lora_path")
+    if isinstance(path, Response):
+        return path
+    version = adapter_step(path)
+    try:
+        version = await state.fleet.load_lora_adapter(body.lora_name, str(path), version)
+    except AdapterError as exc:
+        raise BadRequest(str(root_cause(exc)), "lora_path") from None
+    except Exception as exc:
+        cause = root_cause(exc)
+        if isinstance(cause, AdapterError):
+            raise BadRequest(str(cause), "lora_path") from None
+        raise
+    state.loras[body.lora_name] = {"path": str(path), "version": version}
+    if prime_rl:
+        return json_response({"status": "ok"})
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(state: ServerState, request: Request) -> Response:
+    """vLLM's ``/v1/unload_lora_adapter``: 404 for a name not loaded; requests already running with it finish."""
+    body: UnloadLoraBody = await _body(state, request, UnloadLoraBody)
+    if not body.lora_name:
+        raise BadRequest("'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
+    if body.lora_name not in state.loras:
+        raise NotFound(f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name")
+    del state.loras[body.lora_name]  # refused from now on, before the engines forget it
+    await state.fleet.unload_lora_adapter(body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 # ---- health and sizes ------------------------------------------------------------------------------
@@ -297,6 +353,7 @@ ROUTES = [
     ("/init_weight_transfer_engine", init_broadcaster, ["POST"]),
     ("/load_lora_adapter", load_lora_adapter, ["POST"]),
     ("/v1/load_lora_adapter", load_lora_adapter, ["POST"]),
+    ("/v1/unload_lora_adapter", unload_lora_adapter, ["POST"]),
     ("/liveness", liveness, ["GET"]),
     ("/get_world_size", get_world_size, ["GET"]),
     ("/server_info", server_info, ["GET"]),

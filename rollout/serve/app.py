@@ -74,12 +74,13 @@ class _GenerateCall(msgspec.Struct, frozen=True):
     body: GenerateBody
     sampling: VLLMSamplingParams
     session: str | None  # X-Session-ID, else the salt: keys the engine's session KV and the routing
+    lora: str | None = None  # the LoRA adapter `model` names; None: the base model
 
 
 def _decode_generate(state: ServerState, raw: bytes, headers) -> _GenerateCall:
     """Step 1: decode and validate once. Every refusal names the request's own field."""
     body: GenerateBody = decode(raw, GenerateBody)
-    calls.check_model(state, body.model)
+    lora = calls.check_model(state, body.model)
     if body.stream:
         raise BadRequest("stream=true is not supported on /inference/v1/generate (stream on /v1/completions "
                          "with a token-id prompt)", "stream")
@@ -102,7 +103,7 @@ def _decode_generate(state: ServerState, raw: bytes, headers) -> _GenerateCall:
     # session KV and the routing: the turns of one rollout reuse their KV on the engine that holds it. The header
     # wins (as on chat): prime-rl's salt is its policy step, one for every rollout of a step.
     salt = body.cache_salt if body.cache_salt is not None else sp.cache_salt
-    return _GenerateCall(body, sp, session_header(headers) or salt)
+    return _GenerateCall(body, sp, session_header(headers) or salt, lora)
 
 
 def _engine_request(state: ServerState, call: _GenerateCall) -> GenerateRequest:
@@ -118,7 +119,7 @@ def _engine_request(state: ServerState, call: _GenerateCall) -> GenerateRequest:
         raise BadRequest(str(exc), exc.param if exc.param in (None, "token_ids") else
                          f"sampling_params.{exc.param}") from None
     req = GenerateRequest(request_id=calls.request_id(body.request_id, "gen"), prompt_ids=body.token_ids,
-                          sampling=sampling, session_id=call.session)
+                          sampling=sampling, session_id=call.session, lora=call.lora)
     calls.validated(state, req, prefix="sampling_params.", prompt_param="token_ids")
     return req
 
@@ -172,7 +173,10 @@ async def models(state: ServerState, request: Request) -> Response:
     card = {"id": state.model_names[0], "object": "model", "created": state.created, "owned_by": "tito",
             "root": state.root, "parent": None, "max_model_len": state.fleet.max_model_len,
             "permission": [permission]}
-    return json_response({"object": "list", "data": [card]})
+    # each LoRA adapter as vLLM lists it: a card of its name, its path as root, the base model as parent
+    adapters = [{**card, "id": name, "root": lora["path"], "parent": state.model_names[0], "max_model_len": None,
+                 "permission": [{**permission, "id": f"modelperm-{name}"}]} for name, lora in state.loras.items()]
+    return json_response({"object": "list", "data": [card, *adapters]})
 
 
 async def health(state: ServerState, request: Request) -> Response:

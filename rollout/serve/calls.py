@@ -24,7 +24,7 @@ from ..engines.protocol import (
     validate_request,
 )
 from ..engines.streaming import StreamDelta
-from .schemas import BadRequest, Conflict, PromptTokensDetails, Timing, TooLarge, Usage
+from .schemas import BadRequest, Conflict, NotFound, PromptTokensDetails, Timing, TooLarge, Usage
 from .state import ServerState
 from .stops import TextStream
 
@@ -97,9 +97,16 @@ async def watched(request: Request, work: Awaitable[Any]) -> Any:
     raise ClientGone
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in state.model_names:
-        raise BadRequest(f"unknown model {model!r}: this server serves {state.model_names[0]!r}", "model")
+def check_model(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter ``model`` names (vLLM serves an adapter as a model of its name), None for the base model;
+    404 for a name the server does not serve, as vLLM answers."""
+    if model is None or model in state.model_names:
+        return None
+    if model in state.loras:
+        return model
+    adapters = f" or a loaded LoRA adapter ({', '.join(map(repr, state.loras))})" if state.loras else ""
+    raise NotFound(f"The model `{model}` does not exist: this server serves {state.model_names[0]!r}{adapters}",
+                   "model")
 
 
 MAX_UNKNOWN_KEYS = 64  # distinct unknown sampling_params keys counted by name; the rest under "_other"

@@ -377,6 +377,17 @@ class Fleet:
             await asyncio.gather(*(e.wake_up(tags) for e in self._live()))
             self.sleep_level = 0
 
+    async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> int:
+        """Load (or swap in place) a LoRA adapter on every live engine; returns its version. Each engine checks it
+        before installing it, and they check the same files: a refused adapter changes no engine."""
+        async with self._update_lock:
+            versions = await asyncio.gather(*(e.load_lora_adapter(name, path, version) for e in self._live()))
+        return int(versions[0])
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        async with self._update_lock:
+            await asyncio.gather(*(e.unload_lora_adapter(name) for e in self._live()), return_exceptions=True)
+
     async def world_size(self) -> int:
         """The inference workers behind the fleet (what TRL and SkyRL size their NCCL group by): the sum of
         each engine's (vLLM: tensor x pipeline x data parallel; 1 for one-process backends)."""

@@ -86,7 +86,7 @@ def _completion_text(state: ServerState, body: CompletionsBody):
 
 async def completions(state: ServerState, request: Request) -> Response:
     body: CompletionsBody = decode(await calls.read_body(state, request), CompletionsBody)
-    calls.check_model(state, body.model)
+    lora = calls.check_model(state, body.model)
     if body.echo:
         raise BadRequest("echo is not supported", "echo")
     if body.suffix:
@@ -110,7 +110,8 @@ async def completions(state: ServerState, request: Request) -> Response:
                             ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, top_logprobs=top,
                             prompt_logprobs=body.prompt_logprobs)
         sub = rid if len(prompts) == 1 else f"{rid}-{i}"
-        reqs.append(GenerateRequest(request_id=sub, prompt_ids=prompt, sampling=sp, session_id=body.cache_salt))
+        reqs.append(GenerateRequest(request_id=sub, prompt_ids=prompt, sampling=sp, session_id=body.cache_salt,
+                                    lora=lora))
     for r in reqs:  # refuse the whole batch before anything runs
         calls.validated(state, r)
     c = Call(rid, reqs, prompts, body.cache_salt, stops, body.include_stop_str_in_output, ignored)
@@ -254,7 +255,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     try:
         sp = calls.sampling(state, len(prompt), max_tokens, **sampling_kw)
         req = GenerateRequest(request_id=rid, prompt_ids=prompt, sampling=sp,
-                              session_id=session_id or body.cache_salt)
+                              session_id=session_id or body.cache_salt, lora=calls.check_model(state, body.model))
         calls.validated(state, req, prompt_param="messages", max_param=max_param)
         if turn is not None:
             turn.validated()

@@ -30,6 +30,13 @@ class BadRequest(ValueError):
         self.param = param
 
 
+class NotFound(BadRequest):
+    """404: a model or LoRA adapter name the server does not serve (vLLM's NotFoundError)."""
+
+    status = 404
+    kind = "NotFoundError"
+
+
 class Conflict(BadRequest):
     """409: a request id that is already running."""
 

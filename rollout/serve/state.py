@@ -42,6 +42,8 @@ class ServerState:
     admin_api_key: str | None = field(default=None, repr=False)
     weights_root: str | None = None
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    # the LoRA adapters loaded (POST /v1/load_lora_adapter): name -> {"path", "version"}; served as `model: <name>`
+    loras: dict[str, dict] = field(default_factory=dict)
     # held from the version check to the update's end, so two updates cannot both pass the check
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
@@ -51,7 +53,8 @@ class ServerState:
                           max_model_len=self.fleet.max_model_len, weight_version=self.fleet.weight_version,
                           eos_token_ids=list(info.eos_token_ids),
                           max_logprobs=min(i.max_logprobs for i in self.fleet.infos),
-                          scores_prompts=all(i.scores_prompts for i in self.fleet.infos))
+                          scores_prompts=all(i.scores_prompts for i in self.fleet.infos),
+                          max_loras=min(i.max_loras for i in self.fleet.infos))
 
     @cached_property
     def max_token_bytes(self) -> int:
