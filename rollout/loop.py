@@ -77,6 +77,7 @@ class RolloutOutcome(msgspec.Struct):
     version_min: int | None = None  # the lowest and highest version that sampled any of its tokens (None: none)
     version_max: int | None = None
     withheld: str | None = None  # why its rows were not written (follow mode: too stale); its reward still counts
+    lora: str | None = None  # the LoRA adapter its last turn was sampled with (None: the base model)
 
 
 async def gather_settling(coros: Iterable[Awaitable[T]]) -> list[T]:
@@ -130,6 +131,8 @@ class RolloutDriver:
         self._gate.set()
         self._in_flight: dict[str, int] = {}
         self._update_aborts: set[str] = set()
+        # follow mode: the LoRA adapter the engines serve the policy as, once the trainer publishes adapters
+        self.lora: str | None = None
         self.resumed_turns = 0  # turns a weight update stopped and that went on under the new weights
         self.resumed_by_rollout: Counter[str] = Counter()  # the same, per rollout id (follow: each batch's own)
 
@@ -164,7 +167,7 @@ class RolloutDriver:
                 messages=o.messages if o.unsent is None else None,
                 unsent_messages=o.messages[len(o.messages) - o.unsent:] if o.unsent else [],
                 reward=o.reward, reward_components=o.components, advantage=o.advantage, error=o.error,
-                sampling=sampling,
+                sampling=sampling, lora=o.lora,
             ), o.last_turn))
         # one call, one unit for the shard writer: a group's rows always land in the same file, so a
         # resumed run finds every group either whole or absent
@@ -326,6 +329,7 @@ class RolloutDriver:
         turns = 0
         vmin = vmax = None  # the versions that sampled its tokens
         unsent = 0  # messages the renderer never got: the environment's answer to the last turn
+        lora = None
         for turn in range(cfg.max_turns):
             max_tokens = min(cfg.max_tokens_per_turn, budget)
             if max_tokens <= 0:
@@ -339,9 +343,10 @@ class RolloutDriver:
                 top_k=cfg.sampling.top_k, seed=self._seed(rollout_id, turn), stop_token_ids=self.stop_token_ids,
             )
             request = GenerateRequest(request_id=f"{rollout_id}/{turn}", prompt_ids=prompt, sampling=sampling,
-                                      session_id=rollout_id)
+                                      session_id=rollout_id, lora=self.lora)
             result, versions = await self._sample_turn(request, rollout_id)
             turns = turn + 1
+            lora = request.lora
             if result.finish_reason in ("error", "abort"):
                 raise RuntimeError(f"engine finished turn {turn} with {result.finish_reason}: {result.error}")
             budget -= len(result.completion_ids)
@@ -378,5 +383,5 @@ class RolloutDriver:
             reward=float(score.reward), components=dict(score.components), messages=messages, unsent=unsent,
             turns=turns,
             completion_tokens=cfg.max_tokens_per_rollout - budget, last_turn=last_turn, version_min=vmin,
-            version_max=vmax,
+            version_max=vmax, lora=lora,
         )

@@ -246,7 +246,7 @@ class RendererService:
             "reward_components": json.dumps(meta.reward_components), "advantage": float(meta.advantage),
             "task_id": meta.task_id, "group_id": meta.group_id, "rollout_id": rollout_id,
             "finish_reason": meta.finish_reason, "breaks": json.dumps([b.to_dict() for b in ro.breaks]),
-            "model": self.model_name, "renderer": self.renderer.name,
+            "model": self.model_name, "lora": meta.lora, "renderer": self.renderer.name,
             "template_sha256": self.renderer.template_sha256 or "", "error": meta.error,
             "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
         }

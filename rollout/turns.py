@@ -82,6 +82,7 @@ class RolloutMeta(msgspec.Struct, frozen=True):
     advantage: float = 0.0
     error: str | None = None
     sampling: Sampling = Sampling()
+    lora: str | None = None  # the LoRA adapter its turns were sampled with (None: the base model)
 
 
 class Finished(msgspec.Struct, frozen=True):

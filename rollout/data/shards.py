@@ -29,8 +29,9 @@ import pyarrow.parquet as pq
 
 # 2: sampling columns; shards in data/, metadata files named _*.json. 3: per-token ``weight_versions`` and
 # ``weight_version_max`` (follow mode: one completion may hold tokens of two weight versions). Files of an
-# older schema still read: every reader derives the missing columns (:func:`with_version_columns`).
-SCHEMA_VERSION = "3"
+# older schema still read: every reader derives the missing columns (:func:`with_version_columns`). 4: ``lora``, the
+# adapter that sampled the rollout (an older file has none: every row was sampled by the base model).
+SCHEMA_VERSION = "4"
 
 DATA_DIR = "data"  # the shards' folder inside an output directory
 STREAM = "train"  # file-name prefix: HF datasets maps it to the "train" split
@@ -59,6 +60,7 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("weight_version", pa.int64(), "the lowest weight version among the segment's sampled tokens (0 if it has none)"),
     ("weight_version_max", pa.int64(), "the highest weight version among the segment's sampled tokens (0 if it has none)"),
     ("model", pa.string(), ""),
+    ("lora", pa.string(), "the LoRA adapter the rollout was sampled with (its name; null: the base model alone)"),
     ("renderer", pa.string(), "renderer family"),
     ("template_sha256", pa.string(), "sha256 of the chat template"),
     ("prompt_tokens", pa.int32(), "context tokens in the segment"),
@@ -104,11 +106,11 @@ def corrupt_advice(path: str | Path, several: bool = False) -> str:
 
 
 def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
-    """Rows as a table of the schema; the sampling columns may be left out (null: a caller that does not
-    know them), and the version columns (derived: :func:`with_version_columns`); any other missing column
+    """Rows as a table of the schema; the sampling columns and ``lora`` may be left out (null: a caller that does
+    not know them; the base model), and the version columns (derived: :func:`with_version_columns`); any other missing column
     is an error naming it. ``weight_versions`` must be as long as ``token_ids`` and -1 exactly where
     ``loss_mask`` is false (a ValueError names the first row that is not)."""
-    optional = SAMPLING_COLUMNS + VERSION_COLUMNS
+    optional = SAMPLING_COLUMNS + VERSION_COLUMNS + ("lora",)  # lora left out: the base model (null)
     missing = [name for name, _, _ in COLUMNS if rows and name not in rows[0] and name not in optional]
     if missing:
         raise ValueError(f"sample rows lack columns {missing}")

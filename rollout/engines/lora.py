@@ -58,9 +58,20 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def read_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -> LoraAdapter:
-    """Read and check the adapter in ``path`` against ``model`` (the served base); tensors in the model's dtype and
-    device. Raises :class:`AdapterError` naming the first problem; nothing is applied."""
+@dataclass
+class AdapterFiles:
+    """An adapter directory read and checked without a model: its config and its A/B pairs by module name."""
+
+    rank: int
+    scaling: float
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A, B), as stored
+    base_model: str | None
+
+
+def read_adapter_files(name: str, path: str | Path, max_rank: int) -> AdapterFiles:
+    """The checks that need no model (what the vLLM backend runs before vLLM reads the adapter): both files there
+    and readable, a plain-LoRA config with a rank within ``max_rank``, every tensor an A or B weight with its pair,
+    of rank ``r``, floating point and finite. Raises :class:`AdapterError` naming the first problem."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -95,37 +106,52 @@ def read_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
         tensors = load_file(str(weights_file))
     except (SafetensorError, OSError, ValueError) as exc:
         raise AdapterError(f"adapter {name!r}: {weights_file.name} is unreadable (truncated?): {exc}") from None
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    sides: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None:
             raise AdapterError(f"adapter {name!r}: {key}: not a LoRA A or B weight (only those are served)")
-        pairs.setdefault(m["module"], {})[m["side"]] = t
-    if not pairs:
+        sides.setdefault(m["module"], {})[m["side"]] = t
+    if not sides:
         raise AdapterError(f"adapter {name!r}: {weights_file.name} holds no LoRA weights")
-    modules = dict(model.named_modules())
-    param = next(model.parameters())
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for module, sides in sorted(pairs.items()):
-        if set(sides) != {"A", "B"}:
-            raise AdapterError(f"adapter {name!r}: {module}: lora_{'B' if 'A' in sides else 'A'} is missing")
-        linear = modules.get(module)
-        if not isinstance(linear, nn.Linear):
-            what = "not in the served model" if linear is None else f"a {type(linear).__name__}, not a linear layer"
-            raise AdapterError(f"adapter {name!r}: target module {module} is {what} (an adapter for another base?)")
-        a, b = sides["A"], sides["B"]
-        for side, t, want in (("A", a, (rank, linear.in_features)), ("B", b, (linear.out_features, rank))):
-            if tuple(t.shape) != want:
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, ab in sorted(sides.items()):
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"adapter {name!r}: {module}: lora_{'B' if 'A' in ab else 'A'} is missing")
+        a, b = ab["A"], ab["B"]
+        for side, t, dim in (("A", a, 0), ("B", b, 1)):
+            if t.ndim != 2 or t.shape[dim] != rank:
                 raise AdapterError(f"adapter {name!r}: {module}.lora_{side}.weight has shape {tuple(t.shape)}, "
-                                   f"the served model needs {want} (rank {rank})")
+                                   f"not rank {rank}")
             if not t.is_floating_point():
                 raise AdapterError(f"adapter {name!r}: {module}.lora_{side}.weight is {t.dtype}, not a float tensor")
             bad = int((~torch.isfinite(t)).sum())
             if bad:
                 raise AdapterError(f"adapter {name!r}: {module}.lora_{side}.weight holds {bad} non-finite values "
                                    f"(of {t.numel()})")
+        pairs[module] = (a, b)
+    return AdapterFiles(rank, float(scaling), pairs, cfg.get("base_model_name_or_path"))
+
+
+def read_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -> LoraAdapter:
+    """Read and check the adapter in ``path`` against ``model`` (the served base): each target a linear layer of
+    it, of its in and out features; tensors in the model's dtype and device. Raises :class:`AdapterError` naming
+    the first problem; nothing is applied."""
+    files = read_adapter_files(name, path, max_rank)
+    modules = dict(model.named_modules())
+    param = next(model.parameters())
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, (a, b) in files.pairs.items():
+        linear = modules.get(module)
+        if not isinstance(linear, nn.Linear):
+            what = "not in the served model" if linear is None else f"a {type(linear).__name__}, not a linear layer"
+            raise AdapterError(f"adapter {name!r}: target module {module} is {what} (an adapter for another base?)")
+        for side, t, want in (("A", a, (files.rank, linear.in_features)), ("B", b, (linear.out_features, files.rank))):
+            if tuple(t.shape) != want:
+                raise AdapterError(f"adapter {name!r}: {module}.lora_{side}.weight has shape {tuple(t.shape)}, "
+                                   f"the served model needs {want} (rank {files.rank})")
         weights[module] = (a.to(param.device, param.dtype), b.to(param.device, param.dtype))
-    return LoraAdapter(name, str(root), rank, float(scaling), weights, cfg.get("base_model_name_or_path"))
+    return LoraAdapter(name, str(path), files.rank, files.scaling, weights, files.base_model)
 
 
 class LoraSlots:

@@ -47,6 +47,13 @@ What it sends to vLLM (see docs/engines.md and the vLLM 0.33 notes):
   request's generator after a partial prefill (``gen.set_offset``), which a CPU generator cannot do
   ("RuntimeError: CPU Generator does not use offset"), and the EngineCore dies. Measured: 64 seeded requests
   of 44 prompt tokens (configs/rl_loop.yaml) killed it on the first batch; without chunking they run.
+* LoRA (``engine_args: {enable_lora: true, max_loras, max_lora_rank}``): :meth:`VLLMEngine.load_lora_adapter`
+  checks the adapter without a model first (rollout/engines/lora.py ``read_adapter_files``: files, config, ranks,
+  finite values), then ``AsyncLLM.add_lora(LoRARequest(name, id, path, load_inplace=<a reload>))``; a request with
+  ``lora`` goes with that ``LoRARequest`` and a cache salt naming the adapter's version, so no prefix block of
+  another adapter or version is reused. A reload waits for the running requests of that adapter (new ones of it
+  wait at its gate): vLLM's output does not say at which token an in-place reload landed, so each result is kept
+  to one adapter version, the one it is stamped with. Other requests go on meanwhile.
 * On CPU, vLLM sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) or, unset, from most of the machine's
   memory; the backend sets it to ``cpu_kvcache_gib`` (default 2) when the variable is not already set.
 """
@@ -270,6 +277,8 @@ class VLLMEngine:
         kwargs["max_logprobs"] = max(MAX_LOGPROBS, int(kwargs.get("max_logprobs") or MAX_LOGPROBS))
 
         self._SamplingParams = SamplingParams
+        self._lora_config = dict(enabled=bool(kwargs.get("enable_lora")), max_loras=int(kwargs.get("max_loras") or 1),
+                                 max_lora_rank=int(kwargs.get("max_lora_rank") or 16))
         self._final_only = RequestOutputKind.FINAL_ONLY
         self._tokens_input = tokens_input
         # vLLM's scheduler reports its queue and KV use to stat loggers only: this one keeps the last report for
@@ -307,6 +316,11 @@ class VLLMEngine:
         self._update_lock = asyncio.Lock()
         self._validator: CheckpointValidator | None = None  # built at the first check (reads the model's headers)
         self._labelled = False  # vLLM's engine core told self._version (see _label_version)
+        # LoRA: name -> (LoRARequest, version); per name, its running requests and a gate closed while it reloads
+        self._loras: dict[str, tuple[Any, int]] = {}
+        self._lora_running: dict[str, int] = {}
+        self._lora_open: dict[str, asyncio.Event] = {}
+        self._lora_ids = 0
 
     @classmethod
     async def create(cls, model: str, **kwargs: Any) -> VLLMEngine:
@@ -323,6 +337,7 @@ class VLLMEngine:
             max_model_len=self._max_model_len,
             weight_version=self._version,
             eos_token_ids=list(self._eos),
+            max_loras=self._lora_config["max_loras"] if self._lora_config["enabled"] else 0,
         )
 
     def sampling_params(self, request: GenerateRequest) -> Any:
@@ -359,15 +374,18 @@ class VLLMEngine:
             if aborted:
                 return self._empty_output(request, "abort", None, self._version)
         await self._label_version()
+        lora, salt = None, None
+        if request.lora is not None:
+            lora, version, salt = await self._lora_for(request)
         self._active.add(rid)
         self._idle.clear()
-        version = self._version
+        version = self._version if lora is None else version
         t0 = time.perf_counter()
         try:
             params = self.sampling_params(request)
-            prompt = self._tokens_input(list(request.prompt_ids), cache_salt=cache_salt(version))
+            prompt = self._tokens_input(list(request.prompt_ids), cache_salt=salt or cache_salt(version))
             final = None
-            async for out in self._engine.generate(prompt, params, rid):
+            async for out in self._engine.generate(prompt, params, rid, lora_request=lora):
                 final = out
         except asyncio.CancelledError:
             raise
@@ -382,6 +400,8 @@ class VLLMEngine:
             self._active.discard(rid)
             if not self._active:
                 self._idle.set()
+            if lora is not None:
+                self._lora_running[request.lora] -= 1
         if final is None:
             return self._empty_output(request, "error", "vLLM returned no output", version)
         elapsed = time.perf_counter() - t0
@@ -547,6 +567,69 @@ class VLLMEngine:
                               kv_cache_size_tokens=blocks * block_size, block_size=block_size,
                               preemptions=report.preemptions, waiting_for_capacity=capacity)
 
+    # -- LoRA adapters --------------------------------------------------------------------------------------------
+
+    async def _lora_for(self, request: GenerateRequest) -> tuple[Any, int, str]:
+        """The LoRARequest, version and cache salt for ``request.lora``, once no reload of it is under way."""
+        name = request.lora
+        gate = self._lora_open.get(name)
+        if gate is not None:
+            await gate.wait()
+        if name not in self._loras:
+            raise EngineError(f"request {request.request_id}: no LoRA adapter named {name!r} is loaded", "model")
+        lora, version = self._loras[name]
+        self._lora_running[name] = self._lora_running.get(name, 0) + 1
+        return lora, version, f"{cache_salt(self._version)}-lora-{lora.lora_int_id}@{version}"
+
+    async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> int:
+        """Load the peft adapter in ``path`` as ``name``, or reload it in place (its version: ``version``, else the
+        old one + 1; 0 for a new name). Checked without a model first; a reload waits for that adapter's running
+        requests (module doc). Raises Unsupported when vLLM was started without ``enable_lora``."""
+        from vllm.lora.request import LoRARequest
+
+        from .lora import AdapterError, read_adapter_files
+
+        if not self._lora_config["enabled"]:
+            raise Unsupported("this vLLM engine was started without LoRA: set engine.options.engine_args."
+                              "enable_lora: true (and max_loras, max_lora_rank)")
+        await asyncio.to_thread(read_adapter_files, name, path, self._lora_config["max_lora_rank"])
+        held = self._loras.get(name)
+        if held is None and len(self._loras) >= self._lora_config["max_loras"]:
+            raise AdapterError(f"adapter {name!r}: {self._lora_config['max_loras']} adapters (max_loras) are loaded; "
+                               "unload one first")
+        gate = self._lora_open.setdefault(name, asyncio.Event())
+        gate.clear()  # new requests of this adapter wait; the running ones finish on the old weights
+        try:
+            while self._lora_running.get(name, 0):
+                await asyncio.sleep(0.01)
+            if held is None:
+                self._lora_ids += 1
+            lora_id = held[0].lora_int_id if held is not None else self._lora_ids
+            try:
+                await self._engine.add_lora(LoRARequest(name, lora_id, str(path), load_inplace=held is not None))
+            except self._dead_errors as exc:
+                raise EngineDead(f"vLLM's engine core died loading adapter {name!r}: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 - vLLM's own refusal (another base, a target it lacks)
+                raise AdapterError(f"adapter {name!r}: vLLM refused it: {exc}") from exc
+            version = (held[1] + 1 if held is not None else 0) if version is None else version
+            # stored without load_inplace: left on, every request would make vLLM read the files again
+            self._loras[name] = (LoRARequest(name, lora_id, str(path)), version)
+            return version
+        finally:
+            gate.set()
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Forget ``name`` (requests running with it finish); vLLM drops it from its adapter cache."""
+        held = self._loras.pop(name, None)
+        if held is None:
+            raise EngineError(f"no LoRA adapter named {name!r} is loaded", "lora_name")
+        while self._lora_running.get(name, 0):
+            await asyncio.sleep(0.01)
+        await self._engine.remove_lora(held[0].lora_int_id)
+
+    def lora_adapters(self) -> dict[str, dict]:
+        return {name: {"version": v, "path": r.lora_path} for name, (r, v) in self._loras.items()}
+
     def world_size(self) -> int:
         """vLLM's workers behind this engine: tensor x pipeline x data parallel (``world_size_across_dp``)."""
         parallel = self._engine.vllm_config.parallel_config
@@ -570,7 +653,10 @@ class VLLMEngine:
             logprobs = [float(_sampled_logprob(c.logprobs[i], t)) for i, t in enumerate(ids)]
         if request.sampling.top_logprobs and c.logprobs is not None:
             tops = [_scores(c.logprobs[i], t, request.sampling.top_logprobs) for i, t in enumerate(ids)]
-        versions = _token_versions(getattr(c, "weight_versions", None), len(ids), version)
+        if request.lora is None:
+            versions = _token_versions(getattr(c, "weight_versions", None), len(ids), version)
+        else:  # vLLM's labels are the base weights'; an adapter's tokens are all its version's (module doc)
+            versions = [version] * len(ids)
         return GenerateResult(
             completion_ids=ids,
             logprobs=logprobs,

@@ -50,12 +50,15 @@ from ..data.shards import (
     write_json_atomic,
     write_manifest,
 )
+from ..engines.lora import is_adapter_dir
 from ..envs.base import Task
 from ..handles import EngineHandle, RendererHandle
 from ..loop import AllEnginesDied, RolloutDriver, RolloutOutcome, gather_settling, is_actor_death
 from .metrics import MetricsSink
 from .status import StatusWriter
 
+# the name follow mode serves a published LoRA adapter as (on its own engines; recorded in each shard row's ``lora``)
+LORA_NAME = "policy"
 # the engine backends whose update_weights(keep_running=True) stamps each token's version (follow.inflight keep)
 KEEPS_RUNNING = frozenset({"embedded", "replay", "vllm"})
 
@@ -179,6 +182,8 @@ class WeightFollower:
         path = layout.broadcast_dir(self.run_dir, n)
         stable_mtime = (path / layout.STABLE).stat().st_mtime
         seen = time.time()
+        if is_adapter_dir(path):
+            return await self._load_adapter(n, path, stable_mtime, seen)
         t0 = time.perf_counter()
         while True:  # before anything pauses: a bad checkpoint must not cost the running rollouts anything
             live = self._live()  # an engine that died is out of routing: nothing to load into it
@@ -235,6 +240,52 @@ class WeightFollower:
         self.log(f"weights v{n} loaded in {record['load_s']:.2f} s (validated in {record['validate_s']:.2f} s; "
                  f"{held}); STABLE -> generating {record['stable_to_resumed_s']:.2f} s")
         return True
+
+
+    async def _load_adapter(self, n: int, path: Path, stable_mtime: float, seen: float) -> bool:
+        """A step holding a LoRA adapter (prime-rl's LoRA runs publish only ``adapter_model.safetensors`` and
+        ``adapter_config.json``): every engine loads it as :data:`LORA_NAME` at version ``n``, in place, and the
+        rollouts' turns are sampled with it from then on. Nothing is held: each engine checks the adapter before
+        installing it (a refused one changes no engine), and swaps it between two steps, each token stamped with
+        the version that sampled it (the vLLM backend lets the running turns of the adapter finish first)."""
+        live = self._live()
+        self._phase("loading", n)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(self.engines[i].load_lora_adapter(LORA_NAME, str(path), n) for i in live),
+                                       return_exceptions=True)
+        failed = []
+        for i, r in zip(live, results):
+            if isinstance(r, BaseException):
+                if is_actor_death(r):
+                    self.holder.router.drop_engine(i)
+                else:
+                    failed.append(r)
+            else:
+                self.engine_versions[i] = n
+        self._live()
+        if failed:
+            self.refused[n] = stable_mtime
+            self._error(f"adapter {path} refused: {root_message(failed[0])}; the engines stay on version "
+                        f"{self.version}")
+            return False
+        self.holder.lora = LORA_NAME
+        async with self.changed:
+            self.version = n
+            self.changed.notify_all()
+        load_s = time.perf_counter() - t0
+        record = {"version": n, "validate_s": 0.0, "hold_s": 0.0, "load_s": round(load_s, 3), "aborted_requests": 0,
+                  "adapter": True, "stable_to_resumed_s": round(time.time() - stable_mtime, 3),
+                  "detect_s": round(max(0.0, seen - stable_mtime), 3), "at": round(time.time(), 3)}
+        self.loads.append(record)
+        self.log(f"adapter v{n} loaded in {load_s:.2f} s (checked and swapped in place); STABLE -> generating "
+                 f"{record['stable_to_resumed_s']:.2f} s")
+        return True
+
+
+def root_message(exc: BaseException) -> str:
+    """The engine's own message of an exception that came through Ray (its ``cause``), else its text."""
+    cause = getattr(exc, "cause", None)
+    return str(cause if cause is not None else exc)
 
 
 class FollowService:
