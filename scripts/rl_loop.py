@@ -14,6 +14,11 @@ the base model and the last published weights greedily on held-out tasks (the en
 with another seed, minus any prompt in the training pool), writes ``RUN_DIR/eval.json`` and plots the
 reward per step to ``RUN_DIR/reward.png`` (matplotlib, else Pillow, else no plot: said in one line).
 
+``--lora`` trains a peft LoRA adapter (``--lora-rank``, ``--lora-alpha``; every linear layer of the attention and
+MLP) on the frozen base and publishes only the adapter each step (``publish_adapter``: ``adapter_model.safetensors``
++ ``adapter_config.json``, what prime-rl's LoRA runs write): the service loads it as that version of its adapter
+and samples the next batches with it; the evaluation scores the base and base + the last adapter.
+
 ``--no-service`` trains on batches that something else writes (another ``tito run --follow``, or
 step directories made by hand with ``tito run CONFIG --out RUN_DIR/rollouts/step_k``). A RUN_DIR that
 already holds published weights is resumed at ``latest_version + 1`` (the service resumes likewise).
@@ -52,7 +57,7 @@ from rollout.config import RunConfig, load_config
 from rollout.data import Sample, read_step
 from rollout.data.layout import broadcast_dir
 from rollout.data.packing import PackedRow, pack, packed_logprobs, sampling_log_softmax
-from rollout.follow.publish import latest_version, publish_weights
+from rollout.follow.publish import latest_version, publish_adapter, publish_weights
 from rollout.models import load_causal_lm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,9 +68,11 @@ TRAINER_LOG = "trainer.jsonl"
 
 def train(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, *, max_off_policy: int,
           timeout: float, layout: str = "prefix", budget: int = 1024, eps: float = 0.2,
-          sampling: dict[str, float] | None = None) -> None:
+          sampling: dict[str, float] | None = None, lora: bool = False) -> None:
     """The trainer: one GRPO step per sealed batch, each published as the next weight version. ``sampling``
-    (temperature, top_p, top_k of the service) makes the new logprobs those of the distribution sampled from."""
+    (temperature, top_p, top_k of the service) makes the new logprobs those of the distribution sampled from.
+    ``lora``: ``model`` is a peft model; only its adapter is published."""
+    publish = publish_adapter if lora else publish_weights
     for k in range(latest_version(run_dir) + 1, steps + 1):
         t0 = time.monotonic()
         batch = read_step(run_dir, k, timeout=timeout, min_weight_version=k - 1 - max_off_policy)  # waits
@@ -84,7 +91,7 @@ def train(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, ste
             opt.step()
             opt.zero_grad()
         t2 = time.monotonic()
-        publish_weights(run_dir, k, model)                     # broadcasts/step_k/, STABLE last
+        publish(run_dir, k, model)                             # broadcasts/step_k/, STABLE last
         log_step(run_dir, k, batch.samples, trained, ratios, eps,
                  wait_s=t1 - t0, train_s=t2 - t1, publish_s=time.monotonic() - t2)
 
@@ -211,6 +218,19 @@ def stop_service(proc: subprocess.Popen, grace_s: float = 60.0) -> int | None:
 
 # -- held-out evaluation ----------------------------------------------------------------------------------------
 
+def lora_model(base: str, resume: Path | None, rank: int, alpha: float) -> torch.nn.Module:
+    """The base model with a trainable LoRA adapter on every attention and MLP projection (B = 0 at first: step 0
+    samples the base model), or the adapter of ``resume`` (a published step) to go on training."""
+    import peft
+
+    model = load_causal_lm(str(base))
+    if resume is not None:
+        return peft.PeftModel.from_pretrained(model, str(resume), is_trainable=True)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                                      lora_dropout=0.0))
+
+
 def held_out_tasks(cfg: RunConfig, n: int, seed: int) -> list:
     """``n`` tasks from the environment's generator with ``seed``, none with a prompt of the training pool."""
     from rollout.envs import load_tasks, make_env
@@ -228,6 +248,7 @@ def evaluate(cfg: RunConfig, tasks: list, weights: dict[str, tuple[str | None, i
     """Greedy first answers to ``tasks`` under each named weight version (None = the config's model): the
     environment's score of each, averaged (reward and its components)."""
     from rollout.engines.embedded import EmbeddedEngine
+    from rollout.engines.lora import is_adapter_dir
     from rollout.engines.protocol import GenerateRequest, SamplingParams
     from rollout.envs import make_env
     from rollout.startup import create_parser, find_model
@@ -238,9 +259,9 @@ def evaluate(cfg: RunConfig, tasks: list, weights: dict[str, tuple[str | None, i
     sampling = SamplingParams(max_tokens=cfg.max_tokens_per_turn, temperature=0.0,
                               stop_token_ids=tuple(parser.stop_token_ids))
 
-    async def one(engine, name: str, i: int, task) -> dict[str, float]:
+    async def one(engine, name: str, i: int, task, lora: str | None) -> dict[str, float]:
         prompt = prompts[i]
-        out = await engine.generate(GenerateRequest(f"eval-{name}-{i}", list(prompt), sampling))
+        out = await engine.generate(GenerateRequest(f"eval-{name}-{i}", list(prompt), sampling, lora=lora))
         parsed = parser.parse_response(out.results[0].completion_ids, prompt, env.tools)
         state = env.reset(task)
         await env.step(state, parsed)
@@ -255,9 +276,13 @@ def evaluate(cfg: RunConfig, tasks: list, weights: dict[str, tuple[str | None, i
         results = {}
         try:
             for name, (path, version) in weights.items():
-                if path is not None:
+                lora = None
+                if path is not None and is_adapter_dir(path):  # base + that adapter
+                    lora = name
+                    await engine.load_lora_adapter(name, path, version)
+                elif path is not None:
                     await engine.update_weights(path, version)
-                rows = await asyncio.gather(*(one(engine, name, i, t) for i, t in enumerate(tasks)))
+                rows = await asyncio.gather(*(one(engine, name, i, t, lora) for i, t in enumerate(tasks)))
                 results[name] = {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
         finally:
             await engine.close()
@@ -336,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-seed", type=int, default=10_000)
     ap.add_argument("--no-service", action="store_true", help="train on batches something else writes")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lora", action="store_true", help="train a LoRA adapter; publish only the adapter")
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--lora-alpha", type=float, default=16.0)
     args = ap.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -351,13 +379,18 @@ def main(argv: list[str] | None = None) -> int:
     if proc is not None:
         threading.Thread(target=watch, args=(proc, done), daemon=True).start()
     try:
-        model = load_causal_lm(str(broadcast_dir(run_dir, start)) if start else cfg.model).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)  # resumed: fresh moments
+        if args.lora:
+            model = lora_model(cfg.model, broadcast_dir(run_dir, start) if start else None, args.lora_rank,
+                               args.lora_alpha).train()
+        else:
+            model = load_causal_lm(str(broadcast_dir(run_dir, start)) if start else cfg.model).train()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)  # resumed: fresh moments
         t0 = time.monotonic()
         train(run_dir, model, opt, args.steps, max_off_policy=cfg.follow.max_off_policy_steps,
               timeout=args.timeout, layout=args.layout, budget=args.budget,
               sampling={"temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
-                        "top_k": cfg.sampling.top_k})
+                        "top_k": cfg.sampling.top_k}, lora=args.lora)
         finished = True
         done.set()
         print(f"trained {args.steps - start} steps in {time.monotonic() - t0:.0f} s", flush=True)

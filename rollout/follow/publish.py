@@ -84,7 +84,6 @@ def publish_weights(run_dir: str | os.PathLike, version: int, model_or_state_dic
     root = target.parent
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".step_{version}-"))
-    renamed = False
     try:
         if len(shards) == 1:
             names = [WEIGHTS]
@@ -98,12 +97,47 @@ def publish_weights(run_dir: str | os.PathLike, version: int, model_or_state_dic
             save_file(shard, str(tmp / name), metadata={"format": "pt"})
             _fsync_file(tmp / name)
         _write_text(tmp / CONFIG, cfg)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _commit(tmp, target, f"publish_weights: version {version}")
+
+
+def publish_adapter(run_dir: str | os.PathLike, version: int, peft_model: Any) -> Path:
+    """Write a peft model's LoRA adapter as ``RUN_DIR/broadcasts/step_{version}/`` (``adapter_model.safetensors``
+    and ``adapter_config.json``, what prime-rl's LoRA trainer publishes each step), then ``STABLE``, in the order
+    and with the guarantees of :func:`publish_weights`. A follow service loads it as version ``version`` of its
+    adapter (rollout/follow/service.py); the base weights never move."""
+    if isinstance(version, bool) or not isinstance(version, int) or version <= 0:
+        raise ValueError(f"publish_adapter: version must be an int > 0, got {version!r}")
+    if not callable(getattr(peft_model, "save_pretrained", None)) or not hasattr(peft_model, "peft_config"):
+        raise ValueError("publish_adapter: pass a peft model (peft.get_peft_model / PeftModel)")
+    target = broadcast_dir(run_dir, version)
+    if target.exists():
+        raise ValueError(f"publish_adapter: version {version} already exists at {target}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".step_{version}-"))
+    try:
+        peft_model.save_pretrained(str(tmp), safe_serialization=True)
+        for f in tmp.iterdir():
+            _fsync_file(f)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _commit(tmp, target, f"publish_adapter: version {version}")
+
+
+def _commit(tmp: Path, target: Path, what: str) -> Path:
+    """Rename the written ``tmp`` to ``target``, then create ``STABLE``, each step fsynced; on any failure nothing
+    of it is left (neither ``tmp`` nor a ``target`` this call renamed into place)."""
+    renamed = False
+    try:
         _fsync_dir(tmp)
         if target.exists():  # published by someone else while this one was writing
-            raise ValueError(f"publish_weights: version {version} already exists at {target}")
+            raise ValueError(f"{what} already exists at {target}")
         os.rename(tmp, target)
         renamed = True
-        _fsync_dir(root)
+        _fsync_dir(target.parent)
         fd = os.open(target / STABLE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             os.fsync(fd)
