@@ -334,16 +334,20 @@ def test_internal_error_fails_only_that_request(env):
     assert not engine._running or all(s.req.request.request_id != "boom" for s in engine._running)
 
 
-def test_update_weights_stamps_version_and_drops_session_kv(env):
-    from rollout.models import converted_dir
+def test_update_weights_stamps_version_and_drops_session_kv(env, tmp_path):
+    from rollout.follow.publish import publish_weights
 
     runner, engine = env
+    # other weights (the served ones would be seen as such, and cost no reload: tests/test_lora.py)
+    state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    state["model.norm.weight"] = state["model.norm.weight"] * 1.01
+    ckpt = publish_weights(tmp_path, 1, state, config=engine.model.config.to_dict())
     gen(env, req("uw-1", session="uw", max_tokens=2))
     runner.run(engine.wait_idle())
     assert "uw" in engine.sessions
     v = engine.info().weight_version + 1
     t0 = time.perf_counter()
-    runner.run(engine.update_weights(str(converted_dir(smollm2_gguf())), v))
+    runner.run(engine.update_weights(str(ckpt), v))
     assert time.perf_counter() - t0 < 30
     assert engine.info().weight_version == v and "uw" not in engine.sessions
     r = gen(env, req("uw-2", max_tokens=2)).results[0]

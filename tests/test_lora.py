@@ -190,3 +190,53 @@ def test_unload_then_max_loras(env, adapters):
     assert runner.run(engine.load_lora_adapter("c", str(root / "b"))) == 0
     with pytest.raises(EngineError, match="no LoRA adapter named 'zzz'"):
         runner.run(engine.unload_lora_adapter("zzz"))
+
+
+def test_republished_served_weights_cost_no_reload_and_keep_the_session_kv(env, tmp_path):
+    """prime-rl sends ``step_0`` (the starting model, republished without config.json) at start-up: the engine
+    compares it with what it serves and only moves the version; the session KV of earlier turns stays usable."""
+    from rollout.follow.publish import publish_weights
+
+    runner, engine = env
+    state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    step0 = publish_weights(tmp_path, 1, state, config=engine.model.config.to_dict())
+    (step0 / "config.json").unlink()  # as prime-rl's trainer writes it
+
+    async def go():
+        first = await engine.generate(GenerateRequest("s0-1", list(PROMPT), SamplingParams(max_tokens=4, temperature=0),
+                                                      session_id="s0"))
+        await engine.wait_idle()
+        skipped = engine.stats["reloads_skipped"]
+        version = engine.info().weight_version + 1
+        await engine.update_weights(str(step0), version)
+        grown = PROMPT + first.results[0].completion_ids + [198]
+        second = await engine.generate(GenerateRequest("s0-2", grown, SamplingParams(max_tokens=4, temperature=0),
+                                                       session_id="s0"))
+        return engine.stats["reloads_skipped"] - skipped, version, second.results[0]
+
+    skipped, version, r = runner.run(go())
+    assert skipped == 1 and r.weight_version == version
+    assert r.cached_prompt_tokens > 0  # the KV of turn 1 was kept: nothing was reloaded
+
+
+def test_adapters_stay_applied_through_a_full_weight_update(env, adapters, tmp_path):
+    """A full checkpoint load rebuilds the model: the loaded adapters must apply to the new weights."""
+    from rollout.follow.publish import publish_weights
+    from rollout.models import load_causal_lm
+
+    runner, engine = env
+    root, _, _ = adapters
+    new_base = load_causal_lm(engine.model_name)
+    with torch.no_grad():
+        new_base.model.norm.weight.mul_(1.25)
+    ckpt = publish_weights(tmp_path / "run", 1, {k: v.clone() for k, v in new_base.state_dict().items()},
+                           config=new_base.config.to_dict())
+    want_model = write_adapter(new_base, tmp_path / "a-on-new", seed=1)  # adapter "a"'s weights, on the new base
+
+    async def go():
+        await engine.load_lora_adapter("a", str(root / "a"))
+        await engine.update_weights(str(ckpt), engine.info().weight_version + 1)
+        return await engine.generate(req("after-update", "a"))
+
+    r = runner.run(go()).results[0]
+    assert max(abs(x - y) for x, y in zip(r.logprobs, logprobs_of(want_model, PROMPT, r.completion_ids))) <= 1e-4

@@ -41,6 +41,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -163,10 +164,11 @@ class EmbeddedEngine:
         self._running: list[_Seq] = []  # row i of the batch KV is _running[i]
         self._by_id: dict[str, _Req] = {}
         self._aborts: set[str] = set()
-        self._updates: list[tuple[str, int, bool, asyncio.Future]] = []  # (path, version, keep_running, done)
+        # (path, version, keep_running, done, same: the served weights already, nothing to load)
+        self._updates: list[tuple[str, int, bool, asyncio.Future, bool]] = []
         self._wake: asyncio.Event | None = None
         self._scheduler: asyncio.Task | None = None
-        self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0, "reloads_skipped": 0}
         # LoRA adapters (rollout/engines/lora.py): up to max_loras at once, each in a slot its requests' tokens name
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self._lora_slots = LoraSlots()
@@ -269,9 +271,12 @@ class EmbeddedEngine:
             await asyncio.to_thread(self._validate, str(path))
         except CheckpointError as exc:
             raise exc.refused_by("update_weights") from None
+        # prime-rl's step_0 (the starting model, republished): only the version moves, at the same step boundary a
+        # load would take (so a drained update still gives each result one version); nothing is read again
+        same = await asyncio.to_thread(self._same_as_served, str(path))
         self._ensure_scheduler()
         fut = asyncio.get_running_loop().create_future()
-        self._updates.append((str(path), version, keep_running, fut))
+        self._updates.append((str(path), version, keep_running, fut, same))
         self._wake.set()
         await fut
 
@@ -424,9 +429,13 @@ class EmbeddedEngine:
                 await self._wake.wait()
                 continue
             if self._updates and (self._updates[0][2] or not self._running):  # keep_running: no drain
-                path, version, _, fut = self._updates.pop(0)
+                path, version, _, fut, same = self._updates.pop(0)
                 try:
-                    await loop.run_in_executor(self._executor, self._swap_weights, path)
+                    if same:
+                        self._weights_path = path
+                        self.stats["reloads_skipped"] += 1
+                    else:
+                        await loop.run_in_executor(self._executor, self._swap_weights, path)
                     self.weight_version = version
                     if not fut.done():
                         fut.set_result(None)
@@ -503,6 +512,28 @@ class EmbeddedEngine:
         self.model = new
         self._weights_path = path  # what wake_up reloads after a sleep
         self.sessions.clear()
+        self._hooked = set()  # the loaded LoRA adapters apply to the new model as they did to the old one
+        for adapter in self._lora_slots.adapters.values():
+            hook_targets(self.model, adapter, self._lora_slots, self._hooked)
+
+    def _same_as_served(self, path: str) -> bool:
+        """Whether every tensor of the (validated) checkpoint equals the served one, in the served dtype: prime-rl's
+        ``step_0`` is the model the engine started with. Stops at the first tensor that differs (one read)."""
+        from safetensors import safe_open
+
+        from .checkpoint import _weight_files
+
+        state = self.model.state_dict()
+        if any(t.device.type == "meta" for t in state.values()):  # asleep: nothing to compare with
+            return False
+        files, _ = _weight_files(Path(path), path)
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                for key in handle.keys():
+                    served = state.get(key)
+                    if served is None or not torch.equal(handle.get_tensor(key).to(served.dtype), served.cpu()):
+                        return False
+        return True
 
     def _swap_weights(self, path: str) -> None:
         """Load ``path`` between two steps. Sequences still in the batch (a keep_running update) go on under the
