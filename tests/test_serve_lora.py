@@ -24,11 +24,17 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, root):
+def sessions_out(tmp_path_factory):
+    return tmp_path_factory.mktemp("sessions")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, root, sessions_out):
     from rollout.models import model_dir
 
     with serving(tmp_path_factory, "tito-test-serve-lora",
                  [f"model={model_dir('smollm2-135m')}", f"server.weights_root={root}", f"served_model_name={NAME}",
+                  f"output.dir={sessions_out}",
                   "engine.backend=embedded", "engine.count=2", "engine.num_cpus=0.5",
                   "engine.options={threads: 1, max_batch: 4, max_model_len: 1024, max_lora_rank: 16}"]) as srv:
         yield srv
@@ -146,3 +152,24 @@ def test_bad_adapters_are_refused_before_any_engine_changes(server, adapters, ro
         assert got == status and needle in r["error"]["message"], (body, got, r)
     assert "x" not in {c["id"] for c in call(server, "/v1/models", method="GET")[1]["data"]}
     assert sampled(server, NAME)[0]  # still serving
+
+
+def test_a_chat_session_on_an_adapter_writes_rows_that_name_it(server, adapters, sessions_out):
+    """The server-side session of a client that samples with ``model: policy`` (the adapter of step_2, loaded by
+    the first test): its rows record the adapter and its version, and their logprobs are base + adapter's."""
+    from rollout.data import load_samples
+
+    refs, _ = adapters
+    sid = "lora-session"
+    status, r = http_call(server.url + "/v1/chat/completions", "POST", {
+        "model": "policy", "max_tokens": 6, "temperature": 1.0, "seed": 2,
+        "messages": [{"role": "user", "content": "Name a colour."}]}, {"X-Session-ID": sid}, None, 300)
+    assert status == 200, r
+    assert call(server, f"/v1/sessions/{sid}", method="DELETE")[0] == 200
+    (row,) = [s for s in load_samples(sessions_out) if s.rollout_id == sid]
+    assert row.meta["lora"] == "policy"
+    ids = [int(t) for t in row.token_ids]
+    start = next(i for i, m in enumerate(row.loss_mask) if m)
+    assert {int(v) for v in row.weight_versions if v >= 0} == {2}
+    want = logprobs_of(refs["step_2"], ids[:start], ids[start:])
+    assert max(abs(float(row.logprobs[start + i]) - w) for i, w in enumerate(want)) <= 1e-4

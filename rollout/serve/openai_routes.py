@@ -259,6 +259,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         calls.validated(state, req, prompt_param="messages", max_param=max_param)
         if turn is not None:
             turn.validated()
+            turn.session.lora = req.lora
         c = Call(rid, [req], [prompt], session_id or body.cache_salt, stops, body.include_stop_str_in_output, ignored)
         if body.stream:
             response = stream_chat(state, request, body, c, turn)

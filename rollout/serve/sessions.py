@@ -90,6 +90,7 @@ class Session:
     bridged: int = 0
     breaks: int = 0
     closed_segment_tokens: int = 0  # sample tokens of segments a break closed (the renderer still holds them)
+    lora: str | None = None  # the LoRA adapter its last turn was sampled with (`model: <lora_name>`), for its rows
 
     @property
     def sample_tokens(self) -> int:
@@ -242,7 +243,7 @@ class SessionManager:
             return 0
         if self.write_samples:
             meta = RolloutMeta(task_id=session_id, group_id=session_id, finish_reason=reason,
-                               messages=[*s.messages, *([s.assistant] if s.assistant else [])])
+                               messages=[*s.messages, *([s.assistant] if s.assistant else [])], lora=s.lora)
             return await s.renderer.finish(session_id, meta)
         await s.renderer.discard(session_id)
         return 0
