@@ -136,3 +136,28 @@ def test_config_with_other_tying_is_refused_and_changes_nothing(env, tmp_path):
         named = "rope_parameters" if key == "rope_theta" else key
         assert named in str(caught.value) and "weights were not changed" in str(caught.value), str(caught.value)
     assert engine.info().weight_version == version and sampled(run, engine, "tie-after") == before
+
+
+def test_a_republished_copy_of_the_served_weights_is_seen_as_such(env, tmp_path):
+    """``same_tensors`` (what the vLLM backend asks before reloading prime-rl's ``step_0``) against the served
+    model's own directory: an fp32 copy with the tied head written out is the same; a bf16 copy is the same exactly
+    when every value survives the rounding; one value moved by one ulp is not."""
+    from safetensors.torch import save_file
+
+    from rollout.engines.checkpoint import same_tensors
+
+    _, engine, base, state = env
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(copy / "model.safetensors"))  # lm_head included
+    assert "lm_head.weight" in state and same_tensors(copy, base, torch.float32)
+    bf16 = write_broadcast(state, tmp_path / "bf16", 1)
+    exact = all(torch.equal(v.to(torch.bfloat16).float(), v) for v in state.values())
+    assert same_tensors(bf16, base, torch.float32) == exact
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    last = sorted(state)[-1]
+    nudged = dict(state, **{last: state[last].clone()})
+    nudged[last].view(-1)[0] = torch.nextafter(nudged[last].view(-1)[0], torch.tensor(float("inf")))
+    save_file({k: v.contiguous() for k, v in nudged.items()}, str(moved / "model.safetensors"))
+    assert not same_tensors(moved, base, torch.float32)

@@ -91,7 +91,9 @@ async def check_prefix_cache_salted(backend) -> None:
     assert again.cached_prompt_tokens == 2 * block, (
         f"repeated {len(prompt)}-token prompt: {again.cached_prompt_tokens} cached, expected {2 * block} "
         f"(whole {block}-token blocks)")
-    await backend.update_weights(MODEL, info.weight_version + 1)
+    skipped = backend.reloads_skipped
+    await backend.update_weights(MODEL, info.weight_version + 1)  # the weights it serves: only the version moves
+    assert backend.reloads_skipped == skipped + 1
     fresh = (await backend.generate(_req("cache-c", prompt, max_tokens=2))).results[0]
     assert fresh.cached_prompt_tokens == 0, "KV cached under the old weights was reused after update_weights"
     assert fresh.weight_version == info.weight_version + 1

@@ -209,6 +209,7 @@ class ModelConfig:
     hf_config: _HFConfig = field(default_factory=lambda: _HFConfig(eos_token_id=GENERATION_EOS))
     logprobs_mode: str = "raw_logprobs"
     max_logprobs: int = 20
+    dtype: Any = "float32"  # vLLM's is a torch.dtype; the stand-in holds no tensors
 
     def get_vocab_size(self) -> int:
         return self.vocab_size
@@ -454,6 +455,11 @@ class AsyncLLM:
         return [(a, k) for m, a, k in self.calls if m == method]
 
 
+class StatLoggerBase:
+    """vllm.v1.metrics.loggers.StatLoggerBase: the base of a custom stat logger (the stand-in never calls one:
+    it runs no scheduler)."""
+
+
 # -- module installation ----------------------------------------------------------------------------------------
 
 _MODULES = (
@@ -462,6 +468,8 @@ _MODULES = (
     "vllm.v1.engine",
     "vllm.v1.engine.async_llm",
     "vllm.v1.engine.exceptions",
+    "vllm.v1.metrics",
+    "vllm.v1.metrics.loggers",
     "vllm.inputs",
     "vllm.sampling_params",
     "vllm.outputs",
@@ -501,6 +509,8 @@ def install() -> None:
         "vllm.v1.engine.exceptions": _module(
             "vllm.v1.engine.exceptions", EngineGenerateError=EngineGenerateError, EngineDeadError=EngineDeadError
         ),
+        "vllm.v1.metrics": _module("vllm.v1.metrics"),
+        "vllm.v1.metrics.loggers": _module("vllm.v1.metrics.loggers", StatLoggerBase=StatLoggerBase),
         "vllm.inputs": _module("vllm.inputs", tokens_input=tokens_input, TokensPrompt=TokensPrompt),
         "vllm.sampling_params": _module(
             "vllm.sampling_params", SamplingParams=SamplingParams, RequestOutputKind=RequestOutputKind
@@ -514,6 +524,8 @@ def install() -> None:
         ("vllm.v1", "engine"),
         ("vllm.v1.engine", "async_llm"),
         ("vllm.v1.engine", "exceptions"),
+        ("vllm.v1", "metrics"),
+        ("vllm.v1.metrics", "loggers"),
         ("vllm", "inputs"),
         ("vllm", "sampling_params"),
         ("vllm", "outputs"),

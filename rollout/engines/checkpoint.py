@@ -247,6 +247,39 @@ def _weight_files(d: Path, path: str) -> tuple[list[Path], dict[str, str] | None
     return files, None
 
 
+TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def same_tensors(path: str | Path, served: str | Path, dtype: torch.dtype) -> bool:
+    """Whether every tensor of checkpoint ``path`` equals the same tensor of the weights in ``served``, both in
+    ``dtype`` (what the engine holds): prime-rl's ``step_0`` republishes the starting model, in bf16 and with a
+    copy of a tied head (compared with the embedding it is tied to). Stops at the first tensor that differs;
+    a name ``served`` lacks is a difference. Run on a checkpoint that passed validation."""
+    import torch
+    from safetensors import safe_open
+
+    ref_dir = Path(served)
+    ref_files, ref_map = _weight_files(ref_dir, str(served))
+    where: dict[str, Path] = {}
+    if ref_map is not None:
+        where = {k: ref_dir / f for k, f in ref_map.items()}
+    else:
+        for f in ref_files:
+            with safe_open(str(f), framework="pt") as h:
+                where.update(dict.fromkeys(h.keys(), f))
+    files, _ = _weight_files(Path(path), str(path))
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():
+                ref_key = key if key in where else EMBEDDING if key == TIED_HEAD and EMBEDDING in where else None
+                if ref_key is None:
+                    return False
+                with safe_open(str(where[ref_key]), framework="pt") as ref:
+                    if not torch.equal(handle.get_tensor(key).to(dtype), ref.get_tensor(ref_key).to(dtype)):
+                        return False
+    return True
+
+
 def _read_headers(d: Path, path: str) -> dict[str, _Header]:
     """Every tensor's shape, dtype and file, from the headers alone (milliseconds for any size)."""
     from safetensors import safe_open

@@ -74,6 +74,7 @@ from rollout.engines.checkpoint import (
     CheckpointReport,
     CheckpointValidator,
     expected_from_dir,
+    same_tensors,
 )
 from rollout.engines.protocol import (
     MAX_LOGPROBS,
@@ -316,6 +317,10 @@ class VLLMEngine:
         self._update_lock = asyncio.Lock()
         self._validator: CheckpointValidator | None = None  # built at the first check (reads the model's headers)
         self._labelled = False  # vLLM's engine core told self._version (see _label_version)
+        # the directory of the weights vLLM holds (None: not found), to see a republished copy of them (step_0)
+        self._served_dir = model_weights_dir(model)
+        self._dtype = model_config.dtype
+        self.reloads_skipped = 0
         # LoRA: name -> (LoRARequest, version); per name, its running requests and a gate closed while it reloads
         self._loras: dict[str, tuple[Any, int]] = {}
         self._lora_running: dict[str, int] = {}
@@ -442,6 +447,15 @@ class VLLMEngine:
         except CheckpointError as exc:
             raise exc.refused_by("update_weights") from None
         await self._label_version()
+        if self._served_dir is not None and await asyncio.to_thread(
+                same_tensors, path, self._served_dir, self._dtype):
+            # prime-rl's step_0: the weights vLLM holds already. Only the label moves (vLLM's spans then say which
+            # tokens came after it); nothing is reloaded and the prefix cache stays valid
+            async with self._update_lock:
+                await self._engine.update_weight_version(str(int(version)))
+                self._version = int(version)
+                self.reloads_skipped += 1
+            return
         async with self._update_lock:
             self._open.clear()
             try:
@@ -461,6 +475,7 @@ class VLLMEngine:
                         await self._engine.reset_prefix_cache(reset_running_requests=True)
                     await self._engine.update_weight_version(str(int(version)))
                     self._version = int(version)
+                    self._served_dir = Path(path)
                 finally:
                     await self._engine.resume_generation()
             finally:
