@@ -299,22 +299,41 @@ def tiny_tmpfs(where: Path, size: str = "40k"):
         subprocess.run(["umount", str(where)], check=True)
 
 
-def ray_session_pids(ray_dir: str, cmdline_has: bytes) -> list[int]:
+def ray_session_pids(ray_dir: str, cmdline_has: bytes, wait_s: float = 10.0) -> list[int]:
     """Processes of the Ray session whose temp dir is ``ray_dir`` (a run started with ``RAY_TMPDIR=ray_dir``:
     Ray's workers, and the processes they start, inherit it) whose command line contains ``cmdline_has``
-    (``b"ray::EngineActor"``, vLLM's ``b"EngineCore"``). Only a test's own session is ever matched."""
+    (``b"ray::EngineActor"``, vLLM's ``b"EngineCore"``). Only a test's own session is ever matched: the process
+    or one of its ancestors carries the marker. The ancestor counts because setproctitle (vLLM's
+    "VLLM::EngineCore") may overwrite the environ a process shows in /proc. Looks again for up to ``wait_s``
+    while nothing matches, for a process still starting on a loaded machine."""
+    import time
+
     mine = f"RAY_TMPDIR={ray_dir}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:  # gone meanwhile, or not ours to read
-                continue
-            if mine in environ and cmdline_has in cmdline:
-                pids.append(int(entry))
-    return pids
+
+    def read(pid: str, name: str) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/{name}").read_bytes()
+        except OSError:  # gone meanwhile, or not ours to read
+            return b""
+
+    def in_session(pid: str) -> bool:
+        for _ in range(64):  # an ancestor chain is short; the bound only guards against a cycle
+            if mine in read(pid, "environ").split(b"\0"):
+                return True
+            stat = read(pid, "stat")
+            parent = stat.rsplit(b")", 1)[-1].split()[1:2] if stat else []
+            if not parent or parent[0] in (b"0", b"1"):
+                return False
+            pid = parent[0].decode()
+        return False
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = [int(e) for e in os.listdir("/proc")
+                if e.isdigit() and cmdline_has in read(e, "cmdline") and in_session(e)]
+        if pids or time.monotonic() >= deadline:
+            return pids
+        time.sleep(0.5)
 
 
 def prime_rl_load(text: str) -> dict[str, dict]:
