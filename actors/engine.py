@@ -20,6 +20,11 @@ in rollout/engines; this module only places it on Ray.
 * A backend that raises :class:`~rollout.engines.protocol.EngineDead` (vLLM's EngineCore died) can serve nothing
   more: the actor exits, so its callers see an actor death, as if the process had been killed, and the run or
   server moves the requests to the other engines (or stops with exit 3 when none is left).
+* Ray restarts a lost actor up to ``EngineSpec.max_restarts`` times (``engine.max_restarts``). The new incarnation
+  refuses generate (:class:`~rollout.engines.healer.EngineRestarted`) until ``rejoin`` is called, so nothing is
+  sampled under its fresh base weights before its owner loaded the current ones (rollout/engines/healer.py).
+  ``health`` reports the actor's ``incarnation`` and ``progress`` (engine steps and finished requests) for the
+  healer's heartbeat.
 * Which class a kind is, its default resources and how it is built: rollout/engines/factory.py.
 
 Use :func:`start_engine_actors` with a config (a dict or a list of dicts, see
@@ -31,6 +36,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import uuid
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -38,6 +45,7 @@ import ray
 
 from rollout.engines.checkpoint import backend_free_check
 from rollout.engines.factory import EngineSpec, build_backend
+from rollout.engines.healer import EngineRestarted
 from rollout.engines.protocol import (
     EngineBackend,
     EngineDead,
@@ -85,7 +93,11 @@ class EngineActorImpl:
         self._backend: EngineBackend | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the backend was built on
         self._building: asyncio.Future | None = None
-        self.stats = {"requests": 0, "errors": 0, "refused": 0, "in_flight": 0, "peak_in_flight": 0}
+        self.stats = {"requests": 0, "errors": 0, "refused": 0, "in_flight": 0, "peak_in_flight": 0, "finished": 0,
+                      "streamed": 0}
+        self.incarnation = uuid.uuid4().hex  # a Ray restart runs __init__ again: a new one
+        # a restarted actor holds its base weights: no generate until its owner loaded the current ones (rejoin)
+        self.fenced = _reconstructed()
 
     async def _ensure(self) -> EngineBackend:
         """The backend, built on the first call's loop (its home loop) by exactly one caller."""
@@ -117,6 +129,7 @@ class EngineActorImpl:
     async def generate(self, request: GenerateRequest | Mapping[str, Any] | bytes) -> GenerateOutput:
         """Generate for a request (a GenerateRequest, or a dict / JSON bytes decoded strictly by decode_request).
         Raises EngineError for a bad request; the actor keeps serving."""
+        self._refuse_if_fenced()
         backend = await self._ensure()
         with self._counted() as stats, _exit_when_dead():
             out = await self._home(backend.generate(_decoded(request)))
@@ -128,6 +141,7 @@ class EngineActorImpl:
         """``generate`` token by token: StreamDelta items, then the GenerateOutput (see
         rollout/engines/streaming.py). Call it as a Ray streaming generator:
         ``actor.generate_stream.options(num_returns="streaming").remote(request)``."""
+        self._refuse_if_fenced()
         backend = await self._ensure()
         with self._counted() as stats, _exit_when_dead():
             items = stream_of(backend, _decoded(request))
@@ -139,6 +153,7 @@ class EngineActorImpl:
                         break
                     if isinstance(item, GenerateOutput) and any(r.finish_reason == "error" for r in item.results):
                         stats["errors"] += 1
+                    stats["streamed"] += 1
                     yield item
             finally:
                 await self._home(items.aclose())
@@ -158,6 +173,17 @@ class EngineActorImpl:
             raise
         finally:
             stats["in_flight"] -= 1
+            stats["finished"] += 1
+
+    def _refuse_if_fenced(self) -> None:
+        if self.fenced:
+            raise EngineRestarted(f"engine actor {self.name} was restarted and has not rejoined yet (it holds its "
+                                  "base weights until its owner loads the current ones)")
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def rejoin(self) -> None:
+        """Take generate calls again (after a restart, once the current weights are loaded)."""
+        self.fenced = False
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def abort(self, request_id: str) -> bool:
@@ -186,7 +212,10 @@ class EngineActorImpl:
         """Liveness and load: ``ok``, the backend's own health (if it has ``health()``), info and counters."""
         backend = await self._ensure()
         report: dict[str, Any] = {"ok": True, "name": self.name, "kind": self.kind, "node_id": _node_id(),
-                                  **self.stats}
+                                  "incarnation": self.incarnation, "fenced": self.fenced, **self.stats}
+        steps = backend.progress() if callable(getattr(backend, "progress", None)) else None
+        # what grows while the engine makes headway: a hung one (a generate that never returns) keeps it still
+        report["progress"] = [steps, self.stats["finished"], self.stats["streamed"]]
         probe = getattr(backend, "health", None)
         if callable(probe):
             res = probe()
@@ -263,6 +292,16 @@ async def _awaited(call: Awaitable[T]) -> T:
     return await call
 
 
+def _reconstructed() -> bool:
+    """Whether this actor is a restart by Ray (False outside Ray)."""
+    if not ray.is_initialized():
+        return False
+    with contextlib.suppress(Exception), warnings.catch_warnings():  # not in an actor: a plain test of the body
+        warnings.simplefilter("ignore")  # Ray's own property reads its deprecated actor_id
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    return False
+
+
 def _node_id() -> str | None:
     """The Ray node this runs on (which machine of a cluster holds the engine); None outside Ray."""
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
@@ -290,7 +329,8 @@ def start_engine_actors(
     for spec in _specs(config):
         for i in range(spec.replicas):
             name = f"{spec.name}-{i}" if spec.name else None
-            opts: dict[str, Any] = dict(spec.resources(), max_concurrency=spec.max_concurrency)
+            opts: dict[str, Any] = dict(spec.resources(), max_concurrency=spec.max_concurrency,
+                                        max_restarts=spec.max_restarts)
             if spec.custom_resources:  # custom node resources pin engines to the nodes that offer them
                 opts["resources"] = dict(spec.custom_resources)
             if spec.placement == "spread":  # one engine per node first, so losing a node loses the fewest

@@ -108,3 +108,18 @@ class RayEngine:
 
     async def scheduler_stats(self) -> SchedulerStats | None:
         return await self.actor.scheduler_stats.remote()
+
+    # -- restarts (rollout/engines/healer.py's Restartable) --------------------------------------------------
+
+    def kill(self) -> None:
+        """Kill the actor's process; Ray restarts it (while it has restarts left)."""
+        import ray
+
+        ray.kill(self.actor, no_restart=False)
+
+    async def restarted(self) -> Any:
+        """The restarted actor's EngineInfo, once its backend is built again."""
+        return await self.actor.start.remote()
+
+    async def rejoin(self) -> None:
+        await self.actor.rejoin.remote()

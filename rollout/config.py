@@ -74,6 +74,15 @@ class EngineConfig(_Strict):
         "spread", description="spread: engine actors over as many Ray nodes as fit; pack: Ray's default placement")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per engine actor "
                                                                          "(pins engines to the nodes offering them)")
+    max_restarts: int = Field(3, ge=0, description=(
+        "times a lost engine actor (killed, OOM, hung) is restarted and brought back with the current weights; "
+        "0: a lost engine stays lost and the others serve on"))
+    heartbeat_interval_s: float = Field(2.0, gt=0, allow_inf_nan=False, description="seconds between engine health probes")
+    heartbeat_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False, description=(
+        "an engine whose probe does not answer this long, or that makes no progress this long with requests in "
+        "flight, is hung: it is killed and restarted"))
+    restart_timeout_s: float = Field(900.0, gt=0, allow_inf_nan=False, description=(
+        "seconds a restarted engine may take to come back (build its backend, load the current weights)"))
 
     @property
     def backend_kwargs(self) -> dict[str, Any]:

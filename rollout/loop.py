@@ -8,9 +8,10 @@ A rollout stops when the environment says done, when the assistant's turn leaves
 (no tool call and no feedback), at ``max_turns``, when the engine hits ``max_tokens`` (finish
 "length": the turn is truncated), when the next turn would not fit the model's context, or when the
 rollout's token budget is spent. A rollout that raises or times out is recorded with its error and
-the run goes on. An engine that dies mid-rollout is dropped from routing and the rollout is re-run
-from scratch on another engine (nothing of the failed attempt is written), so every task x group
-member appears exactly once.
+the run goes on. An engine that is lost mid-rollout (its actor died, or it hung) is dropped from routing and
+the turn it was sampling is sent again, token-in, to a live engine (the lost one returned nothing of it; the
+rollout's earlier turns stay), so every task x group member appears exactly once. The lost engine is restarted
+and rejoins (rollout/engines/healer.py).
 
 Weight updates mid-run (``tito run --follow``, rollout/follow/): :meth:`RolloutDriver.hold_for_update` closes
 a gate that new engine requests wait at and, in ``abort_resume`` mode, aborts the requests in flight. An aborted
@@ -25,8 +26,9 @@ import asyncio
 import contextlib
 import hashlib
 import statistics
+import sys
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Literal, TypeVar
 
 import msgspec
@@ -34,18 +36,22 @@ import msgspec
 from tito_renderers import Renderer
 
 from .config import RunConfig
+from .engines.healer import EngineHealer, is_actor_death
 from .engines.protocol import EngineInfo, GenerateRequest, GenerateResult, SamplingParams
 from .envs.base import Environment, Task
 from .handles import EngineHandle, RendererHandle
 from .routing import StickyLeastLoaded
 from .turns import Finished, RolloutMeta, SampledTurn, Sampling
 
-MAX_ATTEMPTS = 3
 T = TypeVar("T")
 
 
 class EngineDied(RuntimeError):
-    pass
+    """The engine a request went to was lost before it answered: the request may be sent to another."""
+
+
+def _stderr_line(line: str) -> None:
+    print(f"tito: {line}", file=sys.stderr, flush=True)
 
 
 class AllEnginesDied(RuntimeError):
@@ -93,14 +99,6 @@ async def gather_settling(coros: Iterable[Awaitable[T]]) -> list[T]:
         raise
 
 
-def is_actor_death(exc: BaseException) -> bool:
-    try:
-        import ray.exceptions as rex
-    except ImportError:  # pragma: no cover - ray is a dependency
-        return False
-    return isinstance(exc, (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError))
-
-
 class RolloutDriver:
     def __init__(
         self,
@@ -120,10 +118,17 @@ class RolloutDriver:
         self.parser = parser  # parses completions here: same code and tokenizer as the renderer actors
         self.stop_token_ids = tuple(parser.stop_token_ids)
         self.router = StickyLeastLoaded(len(engines), cfg.engine.overload_factor)
+        self.log: Callable[[str], None] = _stderr_line  # follow mode: the service's log
+        e = cfg.engine
+        # a lost engine: out of routing at once, its turns re-sent to the live ones, restarted and brought back
+        self.healer = EngineHealer(engines, on_lost=self.router.drop_engine, on_back=self.router.revive_engine,
+                                   log=lambda line: self.log(line), restarts=e.max_restarts,
+                                   heartbeat_interval_s=e.heartbeat_interval_s,
+                                   heartbeat_timeout_s=e.heartbeat_timeout_s, restart_timeout_s=e.restart_timeout_s)
         self.on_progress = on_progress
         self.limit = asyncio.Semaphore(cfg.max_concurrent_rollouts)
         self.finish_counts: Counter[str] = Counter()
-        self.reruns = 0
+        self.reruns = 0  # turn requests re-sent to a live engine because theirs was lost
         self.breaks = 0  # turns that could not be bridged (the renderer logs their reasons)
         # weight updates (follow mode): requests wait at the gate while it is closed; ``_in_flight`` is every
         # request at an engine (id -> engine index), ``_update_aborts`` those a weight update stopped
@@ -139,8 +144,21 @@ class RolloutDriver:
     # ---- groups ----------------------------------------------------------------------------------
 
     async def run(self, tasks: list[Task]) -> list[RolloutOutcome]:
-        groups = await gather_settling(self.run_group(task, gi) for gi, task in enumerate(tasks))
+        async with self.healing():
+            groups = await gather_settling(self.run_group(task, gi) for gi, task in enumerate(tasks))
         return [o for group in groups for o in group]
+
+    @contextlib.asynccontextmanager
+    async def healing(self) -> AsyncIterator[None]:
+        """The engines' heartbeat runs while this is entered (rollout/engines/healer.py)."""
+        watch = asyncio.ensure_future(self.healer.watch())
+        try:
+            yield
+        finally:
+            watch.cancel()
+            with contextlib.suppress(BaseException):
+                await watch
+            await self.healer.close()
 
     async def run_group(self, task: Task, group_index: int, *, group_id: str | None = None,
                         out_dir: str | None = None, min_version: int | None = None) -> list[RolloutOutcome]:
@@ -192,35 +210,35 @@ class RolloutDriver:
 
     async def _run_with_retries(self, task: Task, group_id: str, rollout_id: str,
                                 renderer: RendererHandle) -> RolloutOutcome:
-        for _attempt in range(MAX_ATTEMPTS):
-            async with self.limit:
-                self._some_engine_alive()
-                try:
-                    outcome = await asyncio.wait_for(
-                        self.run_rollout(task, group_id, rollout_id, renderer), self.cfg.rollout_timeout_s
-                    )
-                except EngineDied:
-                    await renderer.discard(rollout_id)
-                    self._some_engine_alive()  # else no rerun: it would only fail the same way
-                    self.reruns += 1
-                    continue
-                except TimeoutError:
-                    outcome = RolloutOutcome(rollout_id, task.task_id, group_id, "timeout",
-                                             messages=list(task.messages),
-                                             error=f"timed out after {self.cfg.rollout_timeout_s}s")
-                except Exception as exc:  # a failed rollout is recorded; the run goes on
-                    outcome = RolloutOutcome(rollout_id, task.task_id, group_id, "error", messages=list(task.messages),
-                                             error=f"{type(exc).__name__}: {exc}")
-            self.router.forget(rollout_id)
-            self.finish_counts[outcome.finish_reason] += 1
-            if self.on_progress:
-                self.on_progress(outcome)
-            return outcome
-        raise RuntimeError(f"rollout {rollout_id}: every engine it was sent to died ({MAX_ATTEMPTS} attempts)")
+        """One rollout, recorded however it ends (a lost engine's turns are re-sent to a live one inside it)."""
+        async with self.limit:
+            await self._engine_available()
+            try:
+                outcome = await asyncio.wait_for(
+                    self.run_rollout(task, group_id, rollout_id, renderer), self.cfg.rollout_timeout_s
+                )
+            except TimeoutError:
+                outcome = RolloutOutcome(rollout_id, task.task_id, group_id, "timeout",
+                                         messages=list(task.messages),
+                                         error=f"timed out after {self.cfg.rollout_timeout_s}s")
+            except AllEnginesDied:
+                raise
+            except Exception as exc:  # a failed rollout is recorded; the run goes on
+                outcome = RolloutOutcome(rollout_id, task.task_id, group_id, "error", messages=list(task.messages),
+                                         error=f"{type(exc).__name__}: {exc}")
+        self.router.forget(rollout_id)
+        self.finish_counts[outcome.finish_reason] += 1
+        if self.on_progress:
+            self.on_progress(outcome)
+        return outcome
 
-    def _some_engine_alive(self) -> None:
-        if not self.router.alive():
-            raise AllEnginesDied.of(len(self.engines))
+    async def _engine_available(self) -> None:
+        """Return once an engine serves; while none does but one is being restarted, wait for it. None left:
+        :class:`AllEnginesDied`."""
+        while not self.router.alive():
+            if not self.healer.any_coming_back():
+                raise AllEnginesDied.of(len(self.engines))
+            await self.healer.wait_changed(1.0)
 
     # ---- one rollout -----------------------------------------------------------------------------
 
@@ -236,7 +254,7 @@ class RolloutDriver:
             raise
         except Exception as exc:
             if is_actor_death(exc):
-                self.router.drop_engine(index)
+                self.healer.lost(index, f"a call saw its actor die ({type(exc).__name__})")
                 raise EngineDied(str(exc)) from exc
             raise
         finally:
@@ -287,7 +305,12 @@ class RolloutDriver:
                     request.sampling, max_tokens=request.sampling.max_tokens - len(ids),
                     min_tokens=max(0, request.sampling.min_tokens - len(ids)),
                     seed=None if request.sampling.seed is None else (request.sampling.seed + piece) % (1 << 32)))
-            out = await self._generate(req, session)
+            try:
+                out = await self._generate(req, session)
+            except EngineDied:  # it returned nothing: the same request goes to a live engine (token-in)
+                self.reruns += 1
+                await self._engine_available()
+                continue
             result = out.results[0]
             resumed = result.finish_reason == "abort" and req.request_id in self._update_aborts
             self._update_aborts.discard(req.request_id)

@@ -59,6 +59,11 @@ class StickyLeastLoaded:
         """The engines not dropped, in index order."""
         return [i for i, load in enumerate(self.load) if load < DEAD]
 
+    def revive_engine(self, index: int) -> None:
+        """A dropped engine is back (restarted): it takes requests again, starting empty."""
+        if self.load[index] >= DEAD:
+            self.load[index] = 0
+
     def drop_engine(self, index: int) -> None:
         """An engine died: its sessions move on their next turn; it gets no new requests."""
         since = self._busy_since[index]

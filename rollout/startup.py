@@ -278,7 +278,7 @@ def engine_specs(engine: EngineConfig, model_path: str, num_cpus: float | None =
     return [EngineSpec(kind=engine.backend, kwargs=options, max_concurrency=engine.max_concurrency,
                        replicas=engine.count, num_cpus=engine.num_cpus if num_cpus is None else num_cpus,
                        num_gpus=engine_num_gpus(engine), placement=engine.placement,
-                       custom_resources=dict(engine.resources))]
+                       custom_resources=dict(engine.resources), max_restarts=engine.max_restarts)]
 
 
 def create_parser(renderer: RendererConfig, model_path: str) -> Renderer:

@@ -241,6 +241,9 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
             driver = RolloutDriver(cfg, env, engines, renderer_actors, infos[0], parser,
                                    on_progress=None if follow else bar)
             bar.driver = driver
+            if follow is None:
+                # a lost engine, its restart: lines above the progress bar, or plain lines without one
+                driver.log = bar.note if bar.enabled else _stderr_line
             t1 = time.perf_counter()
             if follow is None:
                 asyncio.run(_drive(driver.run(tasks), signals))
@@ -319,6 +322,10 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
     if signals:
         raise RunInterrupted(signals[0], summary)
     return summary
+
+
+def _stderr_line(line: str) -> None:
+    print(f"tito run: {line}", file=sys.stderr, flush=True)
 
 
 def print_summary(summary: dict[str, Any], out=sys.stdout) -> None:

@@ -182,6 +182,10 @@ class EmbeddedEngine:
                           max_model_len=self._max_model_len, weight_version=self.weight_version,
                           eos_token_ids=list(self._eos), max_loras=self.max_loras)
 
+    def progress(self) -> int:
+        """Engine steps so far: grows while requests make headway (a hung engine's stays put)."""
+        return self.stats["steps"]
+
     def scheduler_stats(self) -> SchedulerStats:
         """The running batch against its KV budget (``max_batch`` rows of ``max_model_len`` tokens: the most the
         batch buffer holds) and the queue; never preempts. A queued request waits for capacity when the rows

@@ -47,10 +47,13 @@ class EngineSpec:
     name: str | None = None
     placement: Literal["spread", "pack"] = "spread"
     custom_resources: Mapping[str, float] = field(default_factory=dict)
+    max_restarts: int = 0  # Ray restarts of a lost actor (rollout/engines/healer.py brings it back)
 
     def __post_init__(self) -> None:
         if self.kind not in BACKENDS and ":" not in self.kind:
             raise ValueError(f"unknown engine kind {self.kind!r}: expected one of {sorted(BACKENDS)} or 'module:Class'")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.replicas < 1 or self.max_concurrency < 1:
             raise ValueError(f"replicas and max_concurrency must be >= 1 (got {self.replicas}, {self.max_concurrency})")
         for what, v in (("num_cpus", self.num_cpus), ("num_gpus", self.num_gpus), *self.custom_resources.items()):

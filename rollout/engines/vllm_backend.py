@@ -565,6 +565,10 @@ class VLLMEngine:
             raise Unsupported(problem)
         await self._engine.wake_up(tags)
 
+    def progress(self) -> int:
+        """Engine steps so far: grows while requests make headway (a hung engine's stays put)."""
+        return self._scheduler_report.steps
+
     def scheduler_stats(self) -> SchedulerStats:
         """vLLM's scheduler as it last reported (each engine step): running and waiting requests, KV cache usage,
         cumulative preemptions; the KV budget is the cache config's ``num_gpu_blocks`` x ``block_size``. Requests
@@ -705,6 +709,7 @@ class _SchedulerReport:
     def __init__(self) -> None:
         self.last: Any = None
         self.preemptions = 0
+        self.steps = 0  # engine steps reported: the healer's sign of progress (rollout/engines/healer.py)
 
     def logger_factory(self) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -717,6 +722,7 @@ class _SchedulerReport:
 
             def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                        engine_idx: int = 0) -> None:
+                report.steps += 1
                 if scheduler_stats is not None:
                     report.last = scheduler_stats
                 if iteration_stats is not None:

@@ -50,10 +50,11 @@ from ..data.shards import (
     write_json_atomic,
     write_manifest,
 )
+from ..engines.healer import is_actor_death
 from ..engines.lora import is_adapter_dir
 from ..envs.base import Task
 from ..handles import EngineHandle, RendererHandle
-from ..loop import AllEnginesDied, RolloutDriver, RolloutOutcome, gather_settling, is_actor_death
+from ..loop import AllEnginesDied, RolloutDriver, RolloutOutcome, gather_settling
 from .metrics import MetricsSink
 from .status import StatusWriter
 
@@ -132,6 +133,10 @@ class WeightFollower:
         self.phase_of: tuple[int, float] | None = None  # (version, since)
         self.last_error: dict[str, Any] | None = None
         self.on_change: Callable[[], None] = lambda: None
+        # what the engines serve beyond their base weights (a restarted engine gets the same: bring_up)
+        self.full: tuple[Path, int] | None = None  # the last full checkpoint loaded, and its version
+        self.adapter: tuple[Path, int] | None = None  # the adapter served on top of it
+        self._loading = asyncio.Lock()
 
     def newest(self) -> int | None:
         """The newest stable version newer than the engines' and not already refused (as it is now)."""
@@ -154,6 +159,8 @@ class WeightFollower:
 
     async def poll_once(self) -> bool:
         """Load the newest new version if there is one; True when the engines changed version."""
+        if not self.holder.router.alive() and self.holder.healer.any_coming_back():
+            return False  # no engine to load into until one is back (it comes back on self.version)
         n = self.newest()
         return n is not None and await self.load(n)
 
@@ -172,11 +179,27 @@ class WeightFollower:
         self.log(message)
 
     async def load(self, n: int) -> bool:
-        self._phase("validating", n)
-        try:
-            return await self._load(n)
-        finally:
-            self._phase(None)
+        async with self._loading:
+            self._phase("validating", n)
+            try:
+                return await self._load(n)
+            finally:
+                self._phase(None)
+
+    async def bring_up(self, index: int) -> int:
+        """Load what every other engine serves into restarted engine ``index`` (its fresh incarnation holds the
+        base weights, version 0): the last full checkpoint, then the adapter, if any. Returns the version. A load
+        in progress finishes first, so the engine rejoins on the version the others hold."""
+        async with self._loading:
+            engine = self.engines[index]
+            if self.full is not None:
+                path, version = self.full
+                await engine.update_weights(str(path), version)
+            if self.adapter is not None:
+                path, version = self.adapter
+                await engine.load_lora_adapter(LORA_NAME, str(path), version)
+            self.engine_versions[index] = self.version
+            return self.version
 
     async def _load(self, n: int) -> bool:
         path = layout.broadcast_dir(self.run_dir, n)
@@ -192,7 +215,7 @@ class WeightFollower:
                 break
             except Exception as exc:  # noqa: BLE001 - any refusal: named, logged once, the run goes on
                 if is_actor_death(exc):  # the validating engine died (maybe while the service idled): the next
-                    self.holder.router.drop_engine(live[0])
+                    self.holder.healer.lost(live[0], f"it died validating {path.name} ({type(exc).__name__})")
                     continue
                 self.refused[n] = stable_mtime
                 self._error(f"weights {path} refused: {exc}; the engines stay on version {self.version}")
@@ -212,8 +235,8 @@ class WeightFollower:
         failed = []
         for i, r in zip(live, results):
             if isinstance(r, BaseException):
-                if is_actor_death(r):  # its rollouts are re-run on the others, as in any run
-                    self.holder.router.drop_engine(i)
+                if is_actor_death(r):  # its turns are re-sent to the others, as in any run
+                    self.holder.healer.lost(i, f"it died loading {path.name} ({type(r).__name__})")
                 else:
                     failed.append(r)
             else:
@@ -226,6 +249,7 @@ class WeightFollower:
             self._error(f"weights {path}: {len(failed)} of {len(live)} engines failed to load it "
                         f"({failed[0]}); the others hold version {n}")
             return False
+        self.full = (path, n)  # an adapter served before stays on top of it (the driver still samples with it)
         async with self.changed:
             self.version = n
             self.changed.notify_all()
@@ -257,7 +281,7 @@ class WeightFollower:
         for i, r in zip(live, results):
             if isinstance(r, BaseException):
                 if is_actor_death(r):
-                    self.holder.router.drop_engine(i)
+                    self.holder.healer.lost(i, f"it died loading adapter {path.name} ({type(r).__name__})")
                 else:
                     failed.append(r)
             else:
@@ -269,6 +293,7 @@ class WeightFollower:
                         f"{self.version}")
             return False
         self.holder.lora = LORA_NAME
+        self.adapter = (path, n)
         async with self.changed:
             self.version = n
             self.changed.notify_all()
@@ -305,6 +330,9 @@ class FollowService:
         self.log = log or (lambda line: print(f"tito run --follow: {line}", file=sys.stderr, flush=True))
         self.weights = WeightFollower(self.run_dir, engines, driver, inflight=self.follow.inflight,
                                       poll_interval_s=self.follow.poll_interval_s, log=self.log)
+        # a lost engine is named in this log and comes back on the version the others hold
+        driver.log = self.log
+        driver.healer.bring_up = self.weights.bring_up
         self.first_step = recover(self.run_dir) + 1
         self.sealed = self.first_step - 1
         self._sealed_changed = asyncio.Condition()
@@ -343,7 +371,8 @@ class FollowService:
         self.status_writer.start()
         self._wait_started[self.first_step] = time.time()  # the start-up load below is in batch 1's window
         try:
-            return await self._run()
+            async with self.driver.healing():
+                return await self._run()
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError | KeyboardInterrupt):
                 self.weights.last_error = {"message": f"{type(exc).__name__}: {exc}", "at": round(time.time(), 3)}
@@ -471,13 +500,21 @@ class FollowService:
         updates = [{**r, "during": "admission" if r["version"] <= admitted_version else "sampling"}
                    for r in self.weights.loads if opened <= r["at"] <= end]
         resumed = sum(self.driver.resumed_by_rollout.pop(o.rollout_id, 0) for o in outcomes)
+        events = Counter(e["event"] for e in self.driver.healer.events if opened <= e["at"] <= end)
         return {"admitted_at_version": admitted_version, "admission_wait_s": round(admitted - opened, 3),
-                "sampling_s": round(end - admitted, 3), "resumed_turns": resumed, "weight_updates": updates}
+                "sampling_s": round(end - admitted, 3), "resumed_turns": resumed, "weight_updates": updates,
+                "engines_lost": events["lost"], "engines_restarted": events["restarted"]}
 
     def _totals(self) -> dict[str, Any]:
         """The running totals a metrics line carries beside the batch's own figures (since this service started)."""
+        healer = self.driver.healer
         return {"total_elapsed_s": round(time.time() - self.t0, 3), "total_resumed_turns": self.driver.resumed_turns,
-                "total_weight_updates": len(self.weights.loads)}
+                "total_weight_updates": len(self.weights.loads), "total_engines_lost": healer.lost_total,
+                "total_engines_restarted": healer.restarted_total}
+
+    def _loss_error(self) -> dict[str, Any] | None:
+        loss = self.driver.healer.last_loss
+        return None if loss is None else {"message": f"engine {loss['engine']} lost: {loss['cause']}", "at": loss["at"]}
 
     def status_snapshot(self) -> dict[str, Any]:
         """The service's part of status.json (rollout/follow/status.py). Runs on the status writer's thread:
@@ -520,13 +557,21 @@ class FollowService:
                                                               "since": round(waiting[2], 3)},
             "version": [w.engine_versions[i] if i in alive else None for i in range(len(w.engines))],
             "engines_alive": len(alive), "engines_configured": len(w.engines),
+            "engine_states": list(self.driver.healer.state),
+            "engines_lost": self.driver.healer.lost_total, "engines_restarted": self.driver.healer.restarted_total,
             "rollouts_done": sum(self.driver.finish_counts.values()),
-            "waiting_for": waiting_for, "last_error": w.last_error,
+            "waiting_for": waiting_for, "last_error": _latest(w.last_error, self._loss_error()),
             "run_dir": str(self.run_dir), "argv": list(sys.argv),
             "max_steps": self.last_step, "max_off_policy_steps": self.follow.max_off_policy_steps,
             # what counts as progress (status.py: progressed_at moves when it changes)
             "progress": (self.sealed, len(admitted), sum(self.driver.finish_counts.values()), w.version),
         }
+
+
+def _latest(*errors: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The most recent of several ``{"message", "at"}`` records."""
+    known = [e for e in errors if e is not None]
+    return max(known, key=lambda e: e["at"]) if known else None
 
 
 async def _close_outputs(renderers: Sequence[RendererHandle], out_dir: str) -> list[dict]:

@@ -362,10 +362,16 @@ def create_app(state: ServerState) -> Starlette:
                     await evict_over_budget(state)
 
         task = asyncio.create_task(sweep())
+        # the engines' heartbeat: a lost engine is restarted and brought back (rollout/engines/healer.py)
+        healer = state.fleet.healer
+        heal = asyncio.create_task(healer.watch()) if healer is not None else None
         try:
             yield
         finally:
             task.cancel()
+            if heal is not None:
+                heal.cancel()
+                await healer.close()
 
     async def http_error(request: Request, exc: Exception) -> Response:
         # unknown routes and wrong methods answer in the same JSON shape as every other error

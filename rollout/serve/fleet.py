@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from ..engines.healer import EngineHealer, is_actor_death
 from ..engines.protocol import EngineInfo, GenerateOutput, GenerateRequest, SchedulerStats, Unsupported
 from ..handles import EngineHandle
 from ..routing import StickyLeastLoaded
@@ -38,14 +39,6 @@ class DuplicateRequest(ValueError):
     one stays registered (it can still be aborted)."""
 
     param = "request_id"
-
-
-def is_actor_death(exc: BaseException) -> bool:
-    try:
-        import ray.exceptions as rex
-    except ImportError:  # pragma: no cover - ray is a dependency
-        return False
-    return isinstance(exc, (rex.RayActorError, rex.ActorDiedError, rex.ActorUnavailableError))
 
 
 class Fleet:
@@ -75,6 +68,10 @@ class Fleet:
         self.sleep_level = 0  # 0: awake; else the level of POST /sleep (requests are refused with 503)
         self._world_size: int | None = None
         self.reroutes = 0  # requests sent again to another engine because theirs died
+        self.healer: EngineHealer | None = None  # enable_healing: lost engines restarted and brought back
+        # what the engines serve beyond their base weights, for a restarted engine (bring_up)
+        self.weight_dir: str | None = None
+        self.adapters: dict[str, tuple[str, int]] = {}
         self.held = 0  # sequences of requests waiting for a pause to end (not yet routed to an engine)
 
     @property
@@ -99,6 +96,7 @@ class Fleet:
         (EngineError) propagates unchanged."""
         while True:
             await self._held(request)
+            await self._engine_back()
             index, route = self._admit(request, key)
             rid = request.request_id
             t0 = time.perf_counter()
@@ -148,16 +146,57 @@ class Fleet:
     def _engine_died(self, index: int, exc: BaseException) -> None:
         """Drop a dead engine from routing; raise EngineUnavailable when it was the last one (else the
         caller re-sends its request to a live engine)."""
-        self.mark_dead(index)
-        if len(self.dead) == len(self.engines):
+        self.mark_dead(index, f"a request saw its actor die ({type(exc).__name__})")
+        if len(self.dead) == len(self.engines) and not self._coming_back():
             raise EngineUnavailable(f"engine {index} died ({type(exc).__name__}) and no engine is alive") from exc
         self.reroutes += 1
 
-    def mark_dead(self, index: int) -> None:
-        """An engine is gone for good (its actor or node died): no request is routed to it again."""
+    def _coming_back(self) -> bool:
+        return self.healer is not None and self.healer.any_coming_back()
+
+    async def _engine_back(self) -> None:
+        """While every engine is lost but one is being restarted, wait for it (the restart is bounded by
+        engine.restart_timeout_s); then admission routes or refuses as usual."""
+        while len(self.dead) == len(self.engines) and self._coming_back():
+            await self.healer.wait_changed(1.0)  # type: ignore[union-attr]
+
+    def mark_dead(self, index: int, cause: str = "its actor died") -> None:
+        """An engine is gone (its actor or node died, or it hung): no request is routed to it until the healer, if
+        any, brought it back."""
+        if self.healer is not None:
+            self.healer.lost(index, cause)
+        else:
+            self._drop(index)
+
+    def _drop(self, index: int) -> None:
         if index not in self.dead:
             self.dead.add(index)
             self.router.drop_engine(index)
+
+    def _back(self, index: int) -> None:
+        self.dead.discard(index)
+        self.router.revive_engine(index)
+
+    def enable_healing(self, *, log: Callable[[str], None], restarts: int, heartbeat_interval_s: float,
+                       heartbeat_timeout_s: float, restart_timeout_s: float) -> EngineHealer:
+        """Watch the engines (run ``healer.watch()`` on the server's loop): a lost one is restarted, brought up to
+        the weights and adapters the others serve, and routed to again (rollout/engines/healer.py)."""
+        self.healer = EngineHealer(self.engines, on_lost=self._drop, on_back=self._back, log=log, restarts=restarts,
+                                   heartbeat_interval_s=heartbeat_interval_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                                   restart_timeout_s=restart_timeout_s, bring_up=self.bring_up)
+        return self.healer
+
+    async def bring_up(self, index: int) -> int:
+        """Load into restarted engine ``index`` what the others serve: the last /update_weights, then each adapter.
+        An update in progress finishes first. Returns the version it now serves."""
+        async with self._update_lock:
+            engine = self.engines[index]
+            if self.weight_dir is not None:
+                await engine.update_weights(self.weight_dir, self.weight_version)
+            for name, (path, version) in self.adapters.items():
+                await engine.load_lora_adapter(name, path, version)
+            self.infos[index].weight_version = self.weight_version
+            return self.weight_version
 
     def _admit(self, request: GenerateRequest, key: str | None) -> tuple[int, str]:
         if len(self.dead) == len(self.engines):
@@ -190,6 +229,7 @@ class Fleet:
         (the client already holds tokens of that attempt)."""
         while True:
             await self._held(request)
+            await self._engine_back()
             index, route = self._admit(request, key)
             rid = request.request_id
             engine = self.engines[index]
@@ -310,7 +350,7 @@ class Fleet:
             await self.pause("keep" if keep_running else "wait")
             try:
                 await asyncio.gather(*(self._load(e, weight_dir, version, keep_running) for e in self._live()))
-                self.weight_version = version
+                self.weight_version, self.weight_dir = version, weight_dir
                 for info in self.infos:
                     info.weight_version = version
             finally:
@@ -382,11 +422,13 @@ class Fleet:
         before installing it, and they check the same files: a refused adapter changes no engine."""
         async with self._update_lock:
             versions = await asyncio.gather(*(e.load_lora_adapter(name, path, version) for e in self._live()))
+            self.adapters[name] = (path, int(versions[0]))
         return int(versions[0])
 
     async def unload_lora_adapter(self, name: str) -> None:
         async with self._update_lock:
             await asyncio.gather(*(e.unload_lora_adapter(name) for e in self._live()), return_exceptions=True)
+            self.adapters.pop(name, None)
 
     async def world_size(self) -> int:
         """The inference workers behind the fleet (what TRL and SkyRL size their NCCL group by): the sum of

@@ -73,6 +73,11 @@ def build_state(cfg: ServeConfig,
     placement.renderer_infos(renderer_actors)  # surface a renderer that cannot start, here
     parser = startup.create_parser(cfg.renderer, model_path)
     fleet = Fleet(engines, infos, cfg.engine.overload_factor)
+    if not cfg.engine_in_process:  # Ray actors: a lost one is restarted and brought back (in-process: routed around)
+        e = cfg.engine
+        fleet.enable_healing(log=lambda line: print(f"tito serve: {line}", file=sys.stderr, flush=True),
+                             restarts=e.max_restarts, heartbeat_interval_s=e.heartbeat_interval_s,
+                             heartbeat_timeout_s=e.heartbeat_timeout_s, restart_timeout_s=e.restart_timeout_s)
     sessions = SessionManager(renderer_actors, idle_timeout_s=cfg.sessions.idle_timeout_s,
                               max_sessions=cfg.sessions.max_sessions, write_samples=bool(out_dir),
                               max_idle_bytes=cfg.sessions.max_idle_bytes)
@@ -141,9 +146,11 @@ class EngineWatch:
     503 forever. While at least one engine lives the server keeps serving on it (see Fleet)."""
 
     def __init__(self, engines: list[EngineHandle], on_lost: Any, interval_s: float = 2.0,
-                 probe_timeout_s: float = 10.0):
+                 probe_timeout_s: float = 10.0, coming_back: Any = None):
         self.engines = engines
         self.on_lost = on_lost
+        # an engine the fleet's healer is restarting is not dead while Ray has a live node to restart it on
+        self.coming_back = coming_back or (lambda index: False)
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
         self.dead: set[int] = set()
@@ -167,7 +174,7 @@ class EngineWatch:
             try:
                 await asyncio.wait_for(self.engines[i].health(), self.probe_timeout_s)
             except Exception as exc:
-                if is_actor_death(exc):
+                if is_actor_death(exc) and not (self.coming_back(i) and _ray_has_live_node()):
                     self.dead.add(i)
 
         async def every_live_engine() -> None:
@@ -185,6 +192,15 @@ class EngineWatch:
                 self.on_lost(f"all {len(self.engines)} engines died (their Ray actors, nodes or the local Ray "
                              "are gone)")
                 return
+
+
+def _ray_has_live_node() -> bool:
+    try:
+        import ray
+
+        return any(node.get("Alive") for node in ray.nodes())
+    except Exception:  # noqa: BLE001 - Ray itself is gone
+        return False
 
 
 def serve(cfg: ServeConfig, placement: startup.Placement) -> None:
@@ -205,7 +221,9 @@ def serve(cfg: ServeConfig, placement: startup.Placement) -> None:
         server.should_exit = True
 
     ray_engines = [e for e in state.fleet.engines if not isinstance(e, LocalEngine)]
-    watch = EngineWatch(ray_engines, engines_lost).start() if ray_engines else None
+    healer = state.fleet.healer
+    coming_back = (lambda i: healer.state[i] == "restarting") if healer is not None else None
+    watch = EngineWatch(ray_engines, engines_lost, coming_back=coming_back).start() if ray_engines else None
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal it shut down on; the shutdown was clean
