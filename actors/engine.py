@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
@@ -212,7 +213,8 @@ class EngineActorImpl:
         """Liveness and load: ``ok``, the backend's own health (if it has ``health()``), info and counters."""
         backend = await self._ensure()
         report: dict[str, Any] = {"ok": True, "name": self.name, "kind": self.kind, "node_id": _node_id(),
-                                  "incarnation": self.incarnation, "fenced": self.fenced, **self.stats}
+                                  "incarnation": self.incarnation, "fenced": self.fenced, "pid": os.getpid(),
+                                  **self.stats}
         steps = backend.progress() if callable(getattr(backend, "progress", None)) else None
         # what grows while the engine makes headway: a hung one (a generate that never returns) keeps it still
         report["progress"] = [steps, self.stats["finished"], self.stats["streamed"]]

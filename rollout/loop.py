@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import statistics
 import sys
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Literal, TypeVar
@@ -245,6 +246,7 @@ class RolloutDriver:
     async def _generate(self, request: GenerateRequest, session: str):
         index = self.router.acquire(session)
         self._in_flight[request.request_id] = index
+        sent_at = time.monotonic()
         try:
             return await self.engines[index].generate(request)
         except asyncio.CancelledError:
@@ -254,7 +256,7 @@ class RolloutDriver:
             raise
         except Exception as exc:
             if is_actor_death(exc):
-                self.healer.lost(index, f"a call saw its actor die ({type(exc).__name__})")
+                self.healer.lost(index, f"a call saw its actor die ({type(exc).__name__})", sent_at=sent_at)
                 raise EngineDied(str(exc)) from exc
             raise
         finally:

@@ -60,6 +60,27 @@ def _kill_engine_when(cmd: list[str], ray_dir: str, ready: re.Pattern,
     return proc.returncode, "".join(seen) + err
 
 
+def test_a_killed_engine_is_restarted_and_the_run_completes(tmp_path, ray_dirs):
+    """The default (engine.max_restarts 3): the killed engine actor is named, Ray restarts it, it rejoins, and
+    the run ends with exit 0 and every rollout exactly once."""
+    smollm2_gguf()
+    out = tmp_path / "out"
+    cmd = [*TITO, "run", "configs/demo.yaml", "--out", str(out), "--set", f"tasks.count={TASKS}",
+           "--set", f"group_size={G}", "--set", "max_concurrent_rollouts=1", "--set", "ray.num_cpus=2"]
+    rc, err = _kill_engine_when(cmd, ray_dirs[0], re.compile(rf"rollouts [2-4]/{TASKS * G}"))
+    assert rc == 0, err[-3000:]
+    assert re.search(r"engine 0 lost: .+; 0 of 1 engines serving; restarting it \(1 of engine\.max_restarts 3\)",
+                     err), err[-3000:]
+    assert re.search(r"engine 0 restarted and rejoined with version 0 in [\d.]+ s; 1 of 1 engines serving", err), \
+        err[-3000:]
+    ids = [r["rollout_id"] for r in open_shards(out).to_table(columns=["rollout_id", "segment_index"]).to_pylist()
+           if r["segment_index"] == 0]
+    assert len(ids) == len(set(ids)) == TASKS * G, Counter(ids).most_common(3)
+    summary = json.loads((out / SUMMARY).read_text())["this_run"]
+    assert (summary["engines_lost"], summary["engines_restarted"], summary["engines_died"]) == (1, 1, None)
+    assert _no_session_left(ray_dirs[0]) == [], "the run's Ray processes must be gone"
+
+
 def _last_line(stderr: str) -> str:
     assert "Traceback" not in stderr, stderr[-3000:]
     return stderr.rstrip("\n").splitlines()[-1]
@@ -71,7 +92,7 @@ def _batch_run(tmp: Path, ray_dir: str) -> None:
     # run; no timed flush, so the finished groups reach disk because of the death
     cmd = [*TITO, "run", "configs/demo.yaml", "--out", str(out), "--set", f"tasks.count={TASKS}",
            "--set", f"group_size={G}", "--set", "max_concurrent_rollouts=1", "--set", "output.flush_interval_s=600",
-           "--set", "ray.num_cpus=2"]
+           "--set", "ray.num_cpus=2", "--set", "engine.max_restarts=0"]
     rc, err = _kill_engine_when(cmd, ray_dir, re.compile(rf"rollouts [4-7]/{TASKS * G}"))
     line = _last_line(err)
     assert rc == 3, err[-3000:]
@@ -115,7 +136,7 @@ def _follow_run(tmp: Path, ray_dir: str) -> None:
         "follow": {"groups_per_step": 1, "max_steps": 12, "max_off_policy_steps": 11},
         "output": {"flush_interval_s": 600}, "ray": {"num_cpus": 2},
     }))
-    cmd = [*TITO, "run", str(config), "--follow", str(run)]
+    cmd = [*TITO, "run", str(config), "--follow", str(run), "--set", "engine.max_restarts=0"]
     rc, err = _kill_engine_when(cmd, ray_dir, re.compile(r"batch 2 sealed"))
     line = _last_line(err)
     assert rc == 3, err[-3000:]
@@ -144,7 +165,7 @@ def _follow_idle_run(tmp: Path, ray_dir: str) -> None:
         "follow": {"groups_per_step": 1, "max_steps": 3, "max_off_policy_steps": 0, "poll_interval_s": 0.2},
     }))
     model = load_causal_lm(str(resolve_model("smollm2-135m")))  # the trainer's next weights: a valid checkpoint (version 1)
-    cmd = [*TITO, "run", str(config), "--follow", str(run)]
+    cmd = [*TITO, "run", str(config), "--follow", str(run), "--set", "engine.max_restarts=0"]
     rc, err = _kill_engine_when(cmd, ray_dir, re.compile(r"batch 1 sealed"),
                                 then=lambda: publish_weights(run, 1, model))
     line = _last_line(err)

@@ -130,7 +130,7 @@ def test_engine_core_death_ends_the_run_in_one_line_with_exit_3(tmp_path):
 
     ray_dir = tempfile.mkdtemp(prefix="ted", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     out = tmp_path / "out"
-    cmd = [str(TITO), "run", "configs/demo.yaml", "--out", str(out)]
+    cmd = [str(TITO), "run", "configs/demo.yaml", "--out", str(out), "--set", "engine.max_restarts=0"]
     for s in ("tasks.count=4", "group_size=2", "max_concurrent_rollouts=1", "output.flush_interval_s=600",
               "engine.backend=vllm", "engine.options.max_model_len=2048", "engine.options.enforce_eager=true"):
         cmd += ["--set", s]

@@ -299,6 +299,9 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
             "groups_written": groups_written, "groups_not_run": len(tasks) - groups_written,
             "engines_died": str(error) if isinstance(error, AllEnginesDied) else None,
             "reruns_after_engine_death": driver.reruns if driver is not None else 0,
+            # engines lost (killed, OOM, hung) and restarted with the run going on (rollout/engines/healer.py)
+            "engines_lost": driver.healer.lost_total if driver is not None else 0,
+            "engines_restarted": driver.healer.restarted_total if driver is not None else 0,
             "wall_s": round(wall_s, 3), "startup_s": round(startup_s, 3),
             # wall time each engine had a request in flight; wall / busy is the orchestration overhead
             "engine_busy_s": [round(b, 3) for b in busy],

@@ -99,6 +99,7 @@ class EngineHealer:
         self._incarnation: list[Any] = [None] * n  # what each engine's health said it is (a restart changes it)
         self._progress: list[tuple[Any, float] | None] = [None] * n  # (progress key, since) while requests run
         self._restarting: dict[int, asyncio.Task] = {}
+        self.rejoined_at = [float("-inf")] * n  # time.monotonic() of each engine's last rejoin
 
     # ---- what callers see -------------------------------------------------------------------------------------
 
@@ -120,9 +121,11 @@ class EngineHealer:
 
     # ---- losing and restarting --------------------------------------------------------------------------------
 
-    def lost(self, index: int, cause: str) -> None:
-        """Engine ``index`` is gone (``cause`` says how). Idempotent: a loss already known changes nothing."""
-        if self.state[index] != "serving":
+    def lost(self, index: int, cause: str, *, sent_at: float | None = None) -> None:
+        """Engine ``index`` is gone (``cause`` says how). Idempotent: a loss already known changes nothing, and
+        neither does one seen by a call sent (``sent_at``, :func:`time.monotonic`) before the engine last rejoined
+        (it reached the old incarnation, or the restarted one before it rejoined)."""
+        if self.state[index] != "serving" or (sent_at is not None and sent_at < self.rejoined_at[index]):
             return
         self.on_lost(index)
         self.lost_total += 1
@@ -175,6 +178,7 @@ class EngineHealer:
         finally:
             self._restarting.pop(index, None)
         self.restarted_total += 1
+        self.rejoined_at[index] = time.monotonic()
         self._event(index, "restarted")
         self.state[index] = "serving"
         self.on_back(index)
@@ -183,20 +187,26 @@ class EngineHealer:
         self._changed()
 
     async def _come_back(self, engine: Restartable, index: int) -> int:
-        """Wait for Ray's new incarnation, bring it up to the current weights, let it rejoin: its version."""
+        """Wait for Ray's new incarnation (not the old one answering before a kill landed), bring it up to the
+        current weights, let it rejoin: the version it holds. Ray's "unavailable" while it restarts the actor is
+        waited out; "died" (restarts used up) is final."""
+        old = self._incarnation[index]
         while True:
             try:
                 await engine.restarted()
-                break
+                incarnation = (await self.engines[index].health()).get("incarnation")
+                if old is not None and incarnation == old:
+                    await asyncio.sleep(0.2)
+                    continue
+                version = await self.bring_up(index) if self.bring_up is not None else 0
+                await engine.rejoin()
             except Exception as exc:
-                # Ray answers "unavailable" while it restarts the actor; "died" (restarts used up) is final
                 if not _restarting_now(exc):
                     raise
                 await asyncio.sleep(0.2)
-        self._incarnation[index] = None
-        version = await self.bring_up(index) if self.bring_up is not None else 0
-        await engine.rejoin()
-        return version
+                continue
+            self._incarnation[index] = incarnation
+            return version
 
     async def close(self) -> None:
         for task in list(self._restarting.values()):
@@ -214,16 +224,19 @@ class EngineHealer:
     async def probe(self, index: int) -> None:
         """One heartbeat of engine ``index``: no answer in time, or no progress with requests in flight, is a
         hang; an actor death or a new incarnation (Ray restarted it before anyone noticed) is a loss."""
+        sent_at = time.monotonic()
         try:
             report = await asyncio.wait_for(self.engines[index].health(), self.heartbeat_timeout_s)
         except TimeoutError:
+            if sent_at < self.rejoined_at[index]:
+                return
             self.hung(index, f"no heartbeat within engine.heartbeat_timeout_s {self.heartbeat_timeout_s:g}")
             return
         except Exception as exc:  # noqa: BLE001 - a failing probe of a live engine is not a loss
             if is_actor_death(exc):
-                self.lost(index, f"its actor died ({_short(exc)})")
+                self.lost(index, f"its actor died ({_short(exc)})", sent_at=sent_at)
             return
-        if self.state[index] != "serving":
+        if self.state[index] != "serving" or sent_at < self.rejoined_at[index]:
             return
         incarnation = report.get("incarnation")
         if self._incarnation[index] is None:

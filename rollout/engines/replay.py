@@ -164,7 +164,12 @@ class ReplayEngine:
         self.token_delay_s = token_delay_s
         self._version = weight_version
         self._running: dict[str, _Running] = {}
+        self._paced = 0  # tokens emitted: the healer's sign of progress
         self.add(records)
+
+    def progress(self) -> int:
+        """Tokens emitted so far (grows while requests make headway)."""
+        return self._paced
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike[str], **kwargs: object) -> ReplayEngine:
@@ -287,6 +292,7 @@ class ReplayEngine:
     async def _pace(self) -> None:
         # always yield to the loop, so concurrent requests interleave and abort() can land between tokens
         await asyncio.sleep(self.token_delay_s if self.token_delay_s > 0 else 0)
+        self._paced += 1
 
     async def _replay(self, request: GenerateRequest, rec: ReplayRecord, running: _Running) -> GenerateResult:
         s = request.sampling

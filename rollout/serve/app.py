@@ -183,7 +183,9 @@ async def health(state: ServerState, request: Request) -> Response:
     reports = await state.fleet.health()
     alive = sum(bool(r.get("ok")) for r in reports)
     status = "ok" if alive == len(reports) else ("degraded" if alive else "unavailable")
-    return json_response({"status": status, "engines": reports}, 200 if alive else 503)
+    healer = state.fleet.healer
+    counts = {} if healer is None else {"engines_lost": healer.lost_total, "engines_restarted": healer.restarted_total}
+    return json_response({"status": status, "engines": reports, **counts}, 200 if alive else 503)
 
 
 async def metrics(state: ServerState, request: Request) -> Response:
@@ -199,6 +201,10 @@ async def metrics(state: ServerState, request: Request) -> Response:
     m.set("sleeping", int(bool(fleet.sleep_level)))
     m.set("paused", int(fleet.paused))
     m.set("weight_version", fleet.weight_version)
+    if fleet.healer is not None:  # lost engines (killed, OOM, hung) and those restarted and back
+        m.set("engines_lost_total", fleet.healer.lost_total)
+        m.set("engines_restarted_total", fleet.healer.restarted_total)
+    m.set("engines_serving", fleet.alive)
     loads = [0 if i in fleet.dead else load for i, load in enumerate(fleet.router.load)]
     vllm = vllm_families(state.model_names[0], await fleet.scheduler_stats(), loads, fleet.held)
     return PlainTextResponse(m.render() + vllm, media_type="text/plain; version=0.0.4")

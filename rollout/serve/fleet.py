@@ -99,7 +99,7 @@ class Fleet:
             await self._engine_back()
             index, route = self._admit(request, key)
             rid = request.request_id
-            t0 = time.perf_counter()
+            t0, sent_at = time.perf_counter(), time.monotonic()
             engine = self.engines[index]
             running = asyncio.ensure_future(engine.generate(request))
             try:
@@ -115,7 +115,7 @@ class Fleet:
             except Exception as exc:
                 if not is_actor_death(exc):
                     raise
-                self._engine_died(index, exc)
+                self._engine_died(index, exc, sent_at)
             finally:
                 self._release(index, rid, route, key)
 
@@ -143,10 +143,10 @@ class Fleet:
 
         return list(await asyncio.gather(*(one(i, e) for i, e in enumerate(self.engines))))
 
-    def _engine_died(self, index: int, exc: BaseException) -> None:
+    def _engine_died(self, index: int, exc: BaseException, sent_at: float | None = None) -> None:
         """Drop a dead engine from routing; raise EngineUnavailable when it was the last one (else the
         caller re-sends its request to a live engine)."""
-        self.mark_dead(index, f"a request saw its actor die ({type(exc).__name__})")
+        self.mark_dead(index, f"a request saw its actor die ({type(exc).__name__})", sent_at)
         if len(self.dead) == len(self.engines) and not self._coming_back():
             raise EngineUnavailable(f"engine {index} died ({type(exc).__name__}) and no engine is alive") from exc
         self.reroutes += 1
@@ -160,11 +160,11 @@ class Fleet:
         while len(self.dead) == len(self.engines) and self._coming_back():
             await self.healer.wait_changed(1.0)  # type: ignore[union-attr]
 
-    def mark_dead(self, index: int, cause: str = "its actor died") -> None:
+    def mark_dead(self, index: int, cause: str = "its actor died", sent_at: float | None = None) -> None:
         """An engine is gone (its actor or node died, or it hung): no request is routed to it until the healer, if
         any, brought it back."""
         if self.healer is not None:
-            self.healer.lost(index, cause)
+            self.healer.lost(index, cause, sent_at=sent_at)
         else:
             self._drop(index)
 
@@ -233,7 +233,7 @@ class Fleet:
             index, route = self._admit(request, key)
             rid = request.request_id
             engine = self.engines[index]
-            t0 = time.perf_counter()
+            t0, sent_at = time.perf_counter(), time.monotonic()
             items = engine.generate_stream(request)
             started = finished = False
             try:
@@ -250,7 +250,7 @@ class Fleet:
                         await asyncio.shield(engine.abort(rid))
                 if not (isinstance(exc, Exception) and is_actor_death(exc)):
                     raise
-                self._engine_died(index, exc)
+                self._engine_died(index, exc, sent_at)
                 if started:
                     raise EngineUnavailable(f"engine {index} died mid-stream: {type(exc).__name__}") from exc
             finally:
@@ -441,8 +441,9 @@ class Fleet:
         """Each engine's health report (``ok`` False for a dead or unresponsive one)."""
 
         async def one(i: int, engine: EngineHandle) -> dict:
-            if i in self.dead:
-                return {"ok": False, "engine": i, "error": "dead"}
+            if i in self.dead:  # lost for good, or being restarted by the healer
+                state = self.healer.state[i] if self.healer is not None else "dead"
+                return {"ok": False, "engine": i, "error": "dead" if state == "lost" else state, "state": state}
             try:
                 report = await asyncio.wait_for(engine.health(), timeout_s)
                 return {"engine": i, **dict(report)}

@@ -142,6 +142,9 @@ def server_metrics() -> Metrics:
     m.gauge("engine_load", "requests in flight per engine")
     m.gauge("paused", "1 while generation is paused")
     m.gauge("weight_version", "the weight version of new samples")
+    m.gauge("engines_serving", "engines taking requests (a lost one leaves until it is restarted and back)")
+    m.gauge("engines_lost_total", "engines lost since start: killed, OOM-killed or hung (rollout/engines/healer.py)")
+    m.gauge("engines_restarted_total", "lost engines restarted, brought up to the current weights and back")
     m.histogram("weight_update_seconds", "POST /update_weights: from the call to the engines generating again "
                 "(validation + load; requests in flight are kept, not waited for)")
     m.histogram("weight_update_paused_seconds", "POST /update_weights: the time new requests were held (the load)")
