@@ -199,7 +199,7 @@ def test_generate_that_never_returns_is_hung_and_an_engine_out_of_restarts_stays
                              r"\(engine\.heartbeat_timeout_s 2\)\); 1 of 2 engines serving; restarting it")
         assert at - t0 < 30
         run.line(r"^engine 0 restarted and rejoined")
-        run.line(r"^engine 0 lost: hung .*; not restarted \(engine\.max_restarts 1 used\)$")
+        run.line(r"^engine 0 lost: hung .*; not restarted \(its engine\.max_restarts 1 used\)$")
         healer = run.driver.healer
         assert (healer.lost_total, healer.restarted_total, healer.state) == (2, 1, ["lost", "serving"])
     finally:

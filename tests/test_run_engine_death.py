@@ -132,11 +132,11 @@ def _follow_run(tmp: Path, ray_dir: str) -> None:
     config.write_text(yaml.safe_dump({
         "env": {"name": "arithmetic", "options": {"difficulty": 1}}, "tasks": {"count": 5, "seed": 1},
         "group_size": G, "max_turns": 1, "max_tokens_per_turn": 32, "max_tokens_per_rollout": 32,
-        "max_concurrent_rollouts": 2, "engine": {"options": {"threads": 1}},
+        "max_concurrent_rollouts": 2, "engine": {"options": {"threads": 1}, "max_restarts": 0},
         "follow": {"groups_per_step": 1, "max_steps": 12, "max_off_policy_steps": 11},
         "output": {"flush_interval_s": 600}, "ray": {"num_cpus": 2},
     }))
-    cmd = [*TITO, "run", str(config), "--follow", str(run), "--set", "engine.max_restarts=0"]
+    cmd = [*TITO, "run", str(config), "--follow", str(run)]
     rc, err = _kill_engine_when(cmd, ray_dir, re.compile(r"batch 2 sealed"))
     line = _last_line(err)
     assert rc == 3, err[-3000:]
@@ -161,11 +161,11 @@ def _follow_idle_run(tmp: Path, ray_dir: str) -> None:
     config.write_text(yaml.safe_dump({
         "env": {"name": "arithmetic", "options": {"difficulty": 1}}, "tasks": {"count": 2, "seed": 1},
         "group_size": G, "max_turns": 1, "max_tokens_per_turn": 8, "max_tokens_per_rollout": 8,
-        "engine": {"options": {"threads": 1}}, "ray": {"num_cpus": 2},
+        "engine": {"options": {"threads": 1}, "max_restarts": 0}, "ray": {"num_cpus": 2},
         "follow": {"groups_per_step": 1, "max_steps": 3, "max_off_policy_steps": 0, "poll_interval_s": 0.2},
     }))
     model = load_causal_lm(str(resolve_model("smollm2-135m")))  # the trainer's next weights: a valid checkpoint (version 1)
-    cmd = [*TITO, "run", str(config), "--follow", str(run), "--set", "engine.max_restarts=0"]
+    cmd = [*TITO, "run", str(config), "--follow", str(run)]
     rc, err = _kill_engine_when(cmd, ray_dir, re.compile(r"batch 1 sealed"),
                                 then=lambda: publish_weights(run, 1, model))
     line = _last_line(err)

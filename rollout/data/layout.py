@@ -56,6 +56,24 @@ def stable_versions(run_dir: str | Path) -> list[int]:
     return sorted(n for n in found if n is not None)
 
 
+def not_broadcasts(run_dir: str | Path) -> dict[str, str]:
+    """Entries of ``broadcasts/`` named like a step that are not one (name -> why): a name that is not a canonical
+    ``step_N`` (``step_01``, ``step_abc``, ``step_-1``, ``step_`` + 30 digits), or a symlink. Hidden temporaries
+    and ``step_0`` (the service's starting model) are not listed."""
+    root = Path(run_dir) / BROADCASTS
+    if not root.is_dir():
+        return {}
+    out = {}
+    for p in root.iterdir():
+        if not p.name.startswith("step_"):
+            continue
+        if step_number(p) is None:
+            out[p.name] = f"not a canonical step_N name (N a decimal from 1 to {MAX_VERSION}, no leading zeros)"
+        elif p.is_symlink():
+            out[p.name] = "a symlink (a trainer writes real directories; a link could point outside the run)"
+    return out
+
+
 def is_sealed(run_dir: str | Path, k: int) -> bool:
     return (step_dir(run_dir, k) / SEALED).is_file()
 

@@ -141,7 +141,8 @@ class EngineHealer:
         elif not isinstance(engine, Restartable):
             then = "it runs in this process and cannot be restarted"
         else:
-            then = f"not restarted (engine.max_restarts {self.restarts} used)"
+            then = ("not restarted (engine.max_restarts 0)" if self.restarts == 0 else
+                    f"not restarted (its engine.max_restarts {self.restarts} used)")
         self.log(f"engine {index} lost: {cause}; {self.serving} of {n} engines serving; {then}")
         self._changed()
         if can:

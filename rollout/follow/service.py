@@ -137,6 +137,11 @@ class WeightFollower:
         self.full: tuple[Path, int] | None = None  # the last full checkpoint loaded, and its version
         self.adapter: tuple[Path, int] | None = None  # the adapter served on top of it
         self._loading = asyncio.Lock()
+        # broadcast faults that change nothing are each named once (_notice): the steps seen so far, and the
+        # STABLE (version, mtime) of the step the engines hold
+        self._known: set[int] = set(layout.stable_versions(run_dir))
+        self.loaded_stable: tuple[int, float] | None = None
+        self._ignored: set[str] = set()  # broadcasts/ entries named like a step that are not one (named once)
 
     def newest(self) -> int | None:
         """The newest stable version newer than the engines' and not already refused (as it is now)."""
@@ -148,6 +153,13 @@ class WeightFollower:
                 if self.refused.get(n) != stable.stat().st_mtime:
                     return n
         return None
+
+    def _skipped(self, n: int) -> str:
+        """The log's note for a step that skips ahead of the engines' version + 1 (empty when it does not)."""
+        if n <= self.version + 1:
+            return ""
+        gap = f"v{self.version + 1}" if n == self.version + 2 else f"v{self.version + 1}..v{n - 1}"
+        return f"; skipped ahead from v{self.version}: {gap} not published, or not stable when v{n} was found"
 
     def _live(self) -> list[int]:
         """The engines still alive; none: :class:`AllEnginesDied` (a service waiting on a trainer would otherwise
@@ -161,8 +173,36 @@ class WeightFollower:
         """Load the newest new version if there is one; True when the engines changed version."""
         if not self.holder.router.alive() and self.holder.healer.any_coming_back():
             return False  # no engine to load into until one is back (it comes back on self.version)
+        self._notice()
         n = self.newest()
         return n is not None and await self.load(n)
+
+    def _notice(self) -> None:
+        """One line for each broadcast fault that changes nothing: a step older than the engines' version that
+        appears after that version was loaded, an entry named like a step that is not one, and the STABLE of the
+        step the engines hold removed or rewritten."""
+        stable = layout.stable_versions(self.run_dir)
+        for n in stable:
+            if n < self.version and n not in self._known:
+                self._error(f"{layout.broadcast_dir(self.run_dir, n)} appeared after version {self.version} was "
+                            "loaded: older than what the engines hold, ignored")
+        self._known.update(stable)
+        for name, why in layout.not_broadcasts(self.run_dir).items():
+            if name not in self._ignored:
+                self._ignored.add(name)
+                self._error(f"{self.run_dir / layout.BROADCASTS / name} is not a broadcast, ignored: {why}")
+        if self.loaded_stable is None:
+            return
+        n, mtime = self.loaded_stable
+        marker = layout.broadcast_dir(self.run_dir, n) / layout.STABLE
+        try:
+            now: float | None = marker.stat().st_mtime
+        except OSError:
+            now = None
+        if now != mtime:
+            self.loaded_stable = None  # named once
+            self._error(f"{marker} was {'removed' if now is None else 'rewritten'} after version {n} was loaded: "
+                        "the engines keep the weights they validated and loaded (a version is loaded once)")
 
     async def watch(self) -> None:
         while True:
@@ -183,6 +223,10 @@ class WeightFollower:
             self._phase("validating", n)
             try:
                 return await self._load(n)
+            except FileNotFoundError as exc:  # the trainer removed it (prime-rl deletes step_{N-2}) under us
+                self._error(f"weights {layout.broadcast_dir(self.run_dir, n)} vanished before it was loaded "
+                            f"({exc.filename or exc}); the engines stay on version {self.version}")
+                return False
             finally:
                 self._phase(None)
 
@@ -250,6 +294,8 @@ class WeightFollower:
                         f"({failed[0]}); the others hold version {n}")
             return False
         self.full = (path, n)  # an adapter served before stays on top of it (the driver still samples with it)
+        skipped = self._skipped(n)
+        self.loaded_stable = (n, stable_mtime)
         async with self.changed:
             self.version = n
             self.changed.notify_all()
@@ -262,7 +308,7 @@ class WeightFollower:
         held = ("the turns in flight kept running under them" if self.inflight == "keep"
                 else f"{aborted} turns stopped to go on under them")
         self.log(f"weights v{n} loaded in {record['load_s']:.2f} s (validated in {record['validate_s']:.2f} s; "
-                 f"{held}); STABLE -> generating {record['stable_to_resumed_s']:.2f} s")
+                 f"{held}); STABLE -> generating {record['stable_to_resumed_s']:.2f} s{skipped}")
         return True
 
 
@@ -294,6 +340,8 @@ class WeightFollower:
             return False
         self.holder.lora = LORA_NAME
         self.adapter = (path, n)
+        skipped = self._skipped(n)
+        self.loaded_stable = (n, stable_mtime)
         async with self.changed:
             self.version = n
             self.changed.notify_all()
@@ -303,7 +351,7 @@ class WeightFollower:
                   "detect_s": round(max(0.0, seen - stable_mtime), 3), "at": round(time.time(), 3)}
         self.loads.append(record)
         self.log(f"adapter v{n} loaded in {load_s:.2f} s (checked and swapped in place); STABLE -> generating "
-                 f"{record['stable_to_resumed_s']:.2f} s")
+                 f"{record['stable_to_resumed_s']:.2f} s{skipped}")
         return True
 
 
