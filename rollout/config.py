@@ -178,6 +178,9 @@ class FollowConfig(_Strict):
     stall_after_s: float = Field(300.0, gt=0, description=(
         "`tito status` reports the service stalled when nothing progressed (a rollout finished, a batch was admitted "
         "or sealed, new weights loaded) for this long"))
+    keep_broadcasts: int | None = Field(None, ge=1, description=(
+        "remove broadcasts/step_N older than the newest N the service has seen once it no longer needs them (it "
+        "keeps what the engines hold); none (default): the trainer owns broadcasts/ and the service removes nothing"))
     output_format: Literal["shards", "prime-rl"] = Field("shards", description=(
         "shards: each batch as Arrow shards (read_step); prime-rl: also as prime-rl's trainer reads it, "
         "rollouts/step_k/rank_<r>.bin (msgspec micro batches, packed by follow.prime_rl), before the batch seals"))

@@ -38,7 +38,8 @@ class DeletedWhileValidated(ReplayEngine):
         return await super().validate_weights(path)
 
 
-def _follower(run_dir: Path, backend: ReplayEngine | None = None) -> tuple[WeightFollower, ReplayEngine, list[str]]:
+def _follower(run_dir: Path, backend: ReplayEngine | None = None,
+              keep_broadcasts: int | None = None) -> tuple[WeightFollower, ReplayEngine, list[str]]:
     cfg = RunConfig(model=str(tokenizer_dir("qwen2.5-7b-instruct")), env={"name": "arithmetic"}, group_size=1)
     if backend is None:  # (not ``or``: an engine without records has len 0)
         backend = ReplayEngine(synthetic=True, vocab_size=VOCAB)
@@ -46,7 +47,8 @@ def _follower(run_dir: Path, backend: ReplayEngine | None = None) -> tuple[Weigh
     driver = RolloutDriver(cfg, make_env("arithmetic"), engines, [], backend.info(),
                            create_parser(cfg.renderer, cfg.model))
     lines: list[str] = []
-    follower = WeightFollower(run_dir, engines, driver, inflight="drain", poll_interval_s=0.01, log=lines.append)
+    follower = WeightFollower(run_dir, engines, driver, inflight="drain", poll_interval_s=0.01, log=lines.append,
+                              keep_broadcasts=keep_broadcasts)
     return follower, backend, lines
 
 
@@ -126,3 +128,23 @@ def test_a_step_deleted_while_it_is_validated_or_before_it_is_read_changes_nothi
     assert not asyncio.run(follower.load(2)) and engine.info().weight_version == 0
     assert lines == [f"weights {layout.broadcast_dir(run, 2)} vanished before it was loaded "
                      f"({layout.broadcast_dir(run, 2) / layout.STABLE}); the engines stay on version 0"]
+
+
+def test_keep_broadcasts_removes_older_steps_but_never_what_the_engines_hold(tmp_path):
+    run = tmp_path / "run"
+    follower, engine, lines = _follower(run, keep_broadcasts=2)
+    for n in range(1, 7):
+        _publish(run, n)
+        assert _poll(follower) and engine.info().weight_version == n
+        assert layout.step_numbers(run) == list(range(max(1, n - 1), n + 1)), (n, layout.step_numbers(run))
+    # a step still being written (no STABLE yet) is left alone; so is the one the engines hold
+    (run / layout.BROADCASTS / "step_7").mkdir()
+    assert not _poll(follower) and layout.step_numbers(run) == [5, 6, 7]
+    assert follower.removed_broadcasts == 4 and not any("could not remove" in line for line in lines)
+    # off by default: nothing is removed
+    other = tmp_path / "other"
+    follower, engine, _ = _follower(other)
+    for n in range(1, 5):
+        _publish(other, n)
+        assert _poll(follower)
+    assert layout.step_numbers(other) == [1, 2, 3, 4]

@@ -56,6 +56,15 @@ def stable_versions(run_dir: str | Path) -> list[int]:
     return sorted(n for n in found if n is not None)
 
 
+def step_numbers(run_dir: str | Path) -> list[int]:
+    """The N of every real ``broadcasts/step_N`` directory, stable or not, ascending."""
+    root = Path(run_dir) / BROADCASTS
+    if not root.is_dir():
+        return []
+    found = (step_number(p) for p in root.iterdir() if not p.is_symlink() and p.is_dir())
+    return sorted(n for n in found if n is not None)
+
+
 def not_broadcasts(run_dir: str | Path) -> dict[str, str]:
     """Entries of ``broadcasts/`` named like a step that are not one (name -> why): a name that is not a canonical
     ``step_N`` (``step_01``, ``step_abc``, ``step_-1``, ``step_`` + 30 digits), or a symlink. Hidden temporaries

@@ -115,13 +115,16 @@ class WeightFollower:
     version once every engine holds it."""
 
     def __init__(self, run_dir: Path, engines: Sequence[EngineHandle], holder: RolloutDriver, *, inflight: str,
-                 poll_interval_s: float, log: Callable[[str], None], start_version: int = 0) -> None:
+                 poll_interval_s: float, log: Callable[[str], None], start_version: int = 0,
+                 keep_broadcasts: int | None = None) -> None:
         self.run_dir = run_dir
         self.engines = list(engines)
         self.holder = holder
         self.inflight = inflight
         self.poll_interval_s = poll_interval_s
         self.log = log
+        self.keep_broadcasts = keep_broadcasts
+        self.removed_broadcasts = 0
         self.version = start_version  # the version every engine holds
         self.engine_versions: list[int] = [start_version] * len(self.engines)  # each engine's (status.json)
         self.refused: dict[int, float] = {}  # version -> STABLE mtime of a checkpoint that was refused
@@ -175,7 +178,28 @@ class WeightFollower:
             return False  # no engine to load into until one is back (it comes back on self.version)
         self._notice()
         n = self.newest()
-        return n is not None and await self.load(n)
+        changed = n is not None and await self.load(n)
+        if changed and self.keep_broadcasts is not None:
+            self.prune()
+        return changed
+
+    def prune(self) -> None:
+        """``follow.keep_broadcasts: N``: remove the steps older than the newest N seen, except what the engines
+        hold (a restarted engine is brought up from it). A step that cannot be removed is named and left."""
+        keep = {held[0] for held in (self.full, self.adapter) if held is not None}
+        steps = sorted(n for n in layout.step_numbers(self.run_dir) if n > 0)
+        for n in steps[:-self.keep_broadcasts]:
+            path = layout.broadcast_dir(self.run_dir, n)
+            if path in keep or n > self.version:
+                continue
+            try:
+                shutil.rmtree(path)
+            except FileNotFoundError:  # the trainer removed it first (prime-rl deletes step_{N-2})
+                continue
+            except OSError as exc:
+                self._error(f"follow.keep_broadcasts: could not remove {path} ({exc}); it is left")
+                continue
+            self.removed_broadcasts += 1
 
     def _notice(self) -> None:
         """One line for each broadcast fault that changes nothing: a step older than the engines' version that
@@ -377,7 +401,8 @@ class FollowService:
         self.renderer_info = renderer_info
         self.log = log or (lambda line: print(f"tito run --follow: {line}", file=sys.stderr, flush=True))
         self.weights = WeightFollower(self.run_dir, engines, driver, inflight=self.follow.inflight,
-                                      poll_interval_s=self.follow.poll_interval_s, log=self.log)
+                                      poll_interval_s=self.follow.poll_interval_s, log=self.log,
+                                      keep_broadcasts=self.follow.keep_broadcasts)
         # a lost engine is named in this log and comes back on the version the others hold
         driver.log = self.log
         driver.healer.bring_up = self.weights.bring_up
