@@ -48,7 +48,7 @@ class RayPlacement:
             r.actors, spec.model_path, num_cpus=r.num_cpus, resources=dict(r.resources), renderer_name=r.name,
             template_kwargs=dict(r.template_kwargs), thinking_retention=r.thinking_retention, out_dir=spec.out_dir,
             fmt=spec.fmt, rows_per_file=spec.rows_per_file, flush_interval_s=spec.flush_interval_s,
-            model_name=spec.model_name))
+            model_name=spec.model_name, start_timeout_s=r.start_timeout_s))
 
     def renderer_infos(self, renderers: Sequence[RendererHandle]) -> list[dict[str, Any]]:
         import ray

@@ -23,6 +23,7 @@ from typing import Any
 import ray
 
 from rollout.data.shards import STREAM
+from rollout.handles import RendererHung
 from rollout.renderer_service import RendererService
 
 from .handles import RayRenderer
@@ -51,7 +52,7 @@ RendererActor = ray.remote(max_concurrency=1, max_restarts=0, enable_task_events
 
 
 def start_renderer_actors(n: int, model_path: str, *, num_cpus: float = 0.25, resources: dict[str, float] | None = None,
-                          **kwargs: Any) -> list[RayRenderer]:
+                          start_timeout_s: float | None = None, **kwargs: Any) -> list[RayRenderer]:
     """``n`` renderer actors writing shard streams ``train-r0``, ``train-r1``, ... into one directory
     (``OUT/data/``), as typed handles (actors/handles.py; ``.actor`` is the Ray actor). Every public method
     of the service is an actor method, ``flush`` included: ``tito serve`` calls ``renderer.flush()`` after a
@@ -59,7 +60,9 @@ def start_renderer_actors(n: int, model_path: str, *, num_cpus: float = 0.25, re
 
     ``num_cpus`` and ``resources`` (custom Ray resources, e.g. ``{"storage_node": 1}``) place them. With an
     ``out_dir``, each actor must see a probe file the driver writes there, else :class:`NotSharedStorage`
-    (the actors are killed first) rather than shards written where the driver never finds them."""
+    (the actors are killed first) rather than shards written where the driver never finds them. That probe
+    waits at most ``start_timeout_s`` for the actors to be placed and built: past it, :class:`RendererHung`
+    names them (no node has the resources asked for, or the actor is stopped or wedged)."""
     opts: dict[str, Any] = {"num_cpus": num_cpus}
     if resources:
         opts["resources"] = dict(resources)
@@ -67,7 +70,7 @@ def start_renderer_actors(n: int, model_path: str, *, num_cpus: float = 0.25, re
     out_dir = kwargs.get("out_dir")
     if out_dir:
         try:
-            check_shared_storage(actors, out_dir)
+            check_shared_storage(actors, out_dir, timeout_s=start_timeout_s)
         except BaseException:
             for a in actors:
                 ray.kill(a)
@@ -75,7 +78,7 @@ def start_renderer_actors(n: int, model_path: str, *, num_cpus: float = 0.25, re
     return [RayRenderer(a) for a in actors]
 
 
-def check_shared_storage(actors: list[Any], out_dir: str) -> None:
+def check_shared_storage(actors: list[Any], out_dir: str, timeout_s: float | None = None) -> None:
     """Raise :class:`NotSharedStorage` naming the node of each actor that cannot read a probe file written
     into ``out_dir`` here (the driver's view of it)."""
     token = secrets.token_hex(16)
@@ -83,7 +86,13 @@ def check_shared_storage(actors: list[Any], out_dir: str) -> None:
     probe.parent.mkdir(parents=True, exist_ok=True)
     probe.write_text(token)
     try:
-        seen = ray.get([a.reads_probe.remote(str(probe), token) for a in actors])
+        try:
+            seen = ray.get([a.reads_probe.remote(str(probe), token) for a in actors], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RendererHung(
+                f"the renderer actor(s) did not start within renderer.start_timeout_s {timeout_s:g} (not placed: "
+                "no node has the renderer.num_cpus and renderer.resources free, or stopped or hung while loading the "
+                "tokenizer)") from None
         blind = [i for i, ok in enumerate(seen) if not ok]
         if blind:
             nodes = ray.get([actors[i].node_id.remote() for i in blind])

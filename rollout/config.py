@@ -96,6 +96,12 @@ class RendererConfig(_Strict):
     thinking_retention: Literal["keep", "template"] = "keep"
     actors: int = Field(1, ge=1, description="renderer actors side by side")
     num_cpus: float = Field(0.25, ge=0, description="Ray CPUs per renderer actor")
+    call_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False, description=(
+        "a renderer call (a render, a bridge, a group's rows written) that takes longer stops the run with one line "
+        "naming the renderer: its rollouts' state lives there"))
+    start_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False, description=(
+        "the renderer actors must be placed and have loaded the tokenizer within this, else the run stops in one "
+        "line (no node has the resources asked for, or the actor is stopped or wedged)"))
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per renderer actor "
                                                                          "(places the shard writers on those nodes)")
 

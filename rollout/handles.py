@@ -100,6 +100,38 @@ class EngineHandle(Protocol):
         ...
 
 
+class RendererHung(RuntimeError):
+    """A renderer call did not answer within ``renderer.call_timeout_s``. Its rollouts' segments live in that
+    renderer, so the run cannot go on without it: it stops with one line (``tito run`` exit 4), keeping what is
+    sealed. ``summary``: the run summary written on the way out (rollout/cli/run.py)."""
+
+    summary: dict | None = None
+
+
+class BoundedRenderer:
+    """A :class:`RendererHandle` whose every call is bounded by ``timeout_s`` (:class:`RendererHung` past it): a
+    stopped or wedged renderer actor is named instead of holding the run for ever."""
+
+    def __init__(self, inner: RendererHandle, index: int, timeout_s: float) -> None:
+        self.inner = inner
+        self.index = index
+        self.timeout_s = timeout_s
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+        if not callable(method):
+            return method
+
+        async def bounded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await asyncio.wait_for(method(*args, **kwargs), self.timeout_s)
+            except TimeoutError as exc:
+                raise RendererHung(f"renderer {self.index} did not answer {name} within renderer.call_timeout_s "
+                                   f"{self.timeout_s:g} (stopped, hung or overloaded)") from exc
+
+        return bounded
+
+
 class LocalRenderer:
     """A RendererService in this process: each call runs at once on the event loop's thread."""
 

@@ -40,7 +40,7 @@ from .config import RunConfig
 from .engines.healer import EngineHealer, is_actor_death
 from .engines.protocol import EngineInfo, GenerateRequest, GenerateResult, SamplingParams
 from .envs.base import Environment, Task
-from .handles import EngineHandle, RendererHandle
+from .handles import BoundedRenderer, EngineHandle, RendererHandle, RendererHung
 from .routing import StickyLeastLoaded
 from .turns import Finished, RolloutMeta, SampledTurn, Sampling
 
@@ -114,7 +114,9 @@ class RolloutDriver:
         self.cfg = cfg
         self.env = env
         self.engines = engines
-        self.renderers = renderers
+        # every renderer call bounded: a stopped renderer actor is named (RendererHung), not waited on for ever
+        self.renderers: list[RendererHandle] = [BoundedRenderer(r, i, cfg.renderer.call_timeout_s)
+                                                for i, r in enumerate(renderers)]
         self.info = engine_info
         self.parser = parser  # parses completions here: same code and tokenizer as the renderer actors
         self.stop_token_ids = tuple(parser.stop_token_ids)
@@ -222,7 +224,7 @@ class RolloutDriver:
                 outcome = RolloutOutcome(rollout_id, task.task_id, group_id, "timeout",
                                          messages=list(task.messages),
                                          error=f"timed out after {self.cfg.rollout_timeout_s}s")
-            except AllEnginesDied:
+            except (AllEnginesDied, RendererHung):  # the run cannot go on: not one failed rollout
                 raise
             except Exception as exc:  # a failed rollout is recorded; the run goes on
                 outcome = RolloutOutcome(rollout_id, task.task_id, group_id, "error", messages=list(task.messages),

@@ -131,7 +131,7 @@ def _served_since_restart(run: Run, i: int) -> int:
 
 
 def test_killed_engine_is_named_its_turns_go_on_and_it_rejoins(tmp_path):
-    run = Run(tmp_path, tasks=80)
+    run = Run(tmp_path, tasks=200)
     victim = run.pid(0)
     try:
         async def kill():
@@ -156,7 +156,7 @@ def test_killed_engine_is_named_its_turns_go_on_and_it_rejoins(tmp_path):
 
 
 def test_sigstopped_engine_is_hung_within_the_heartbeat_timeout_killed_and_restarted(tmp_path):
-    run = Run(tmp_path, tasks=80)
+    run = Run(tmp_path, tasks=200)
     victim = run.pid(0)
     stopped_at: list[float] = []
     try:

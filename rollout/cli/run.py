@@ -18,7 +18,7 @@ from .. import startup
 from ..config import RunConfig
 from ..data.outputs import check_resume, complete_groups, drop_groups, remove_temporaries, write_failure, write_outputs
 from ..data.shards import DATA_DIR, ShardWriteError, output_shards, read_table, write_error_of
-from ..handles import EngineHandle, RendererHandle
+from ..handles import EngineHandle, RendererHandle, RendererHung
 from ..loop import AllEnginesDied, RolloutDriver
 from ..startup import STOP_SIGNALS, Placement, in_main_thread
 from .progress import Progress, ready_line, startup_line
@@ -262,13 +262,18 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
         if t1 is not None:
             wall_s = time.perf_counter() - t1
     with _signals_ignored():
-        # flush: every finished group still pending in a renderer goes to a file now
-        try:
-            closed = placement.close_renderers(renderer_actors) if renderer_actors else []
-        except Exception:
-            if error is None:
-                raise
-            closed = []  # the renderers died with the run: what they wrote is on disk
+        # flush: every finished group still pending in a renderer goes to a file now; one at a time, each bounded,
+        # so a renderer that died or hung costs only its own pending rows
+        closed = []
+        for index, renderer in enumerate(renderer_actors):
+            try:
+                closed += placement.close_renderers([renderer], timeout_s=cfg.renderer.call_timeout_s)
+            except Exception as exc:
+                if error is None:
+                    if not is_timeout(exc):
+                        raise
+                    error = RendererHung(f"renderer {index} did not close within renderer.call_timeout_s "
+                                         f"{cfg.renderer.call_timeout_s:g} (stopped or hung)")
         failed_writes = [c["write_error"] for c in closed if c.get("write_error")]
         if error is None and failed_writes:  # e.g. the last timed flush hit a full disk
             error = ShardWriteError(failed_writes[0])
@@ -281,8 +286,8 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
             summary = {"run_dir": str(follow), "sealed": recover(follow), "wall_s": round(wall_s, 3),
                        "startup_s": round(startup_s, 3), "resumed_turns": driver.resumed_turns if driver else 0,
                        "interrupted": signal.Signals(signals[0]).name if signals else None}
-            if isinstance(error, AllEnginesDied):
-                error.summary = summary
+            if isinstance(error, AllEnginesDied | RendererHung):
+                error.summary = summary  # type: ignore[union-attr]
             if error is not None:
                 raise error
             if signals:
@@ -317,14 +322,23 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
         else:
             if isinstance(error, ShardWriteError):
                 error = write_failure(error, out_dir, summary=summary)
-            elif isinstance(error, AllEnginesDied):
-                error.summary = summary
+            elif isinstance(error, AllEnginesDied | RendererHung):
+                error.summary = summary  # type: ignore[union-attr]
         placement.stop([*engines, *renderer_actors])
     if error is not None:
         raise error
     if signals:
         raise RunInterrupted(signals[0], summary)
     return summary
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """A bounded wait that ran out (Ray's GetTimeoutError, or asyncio's / the builtin TimeoutError)."""
+    try:
+        from ray.exceptions import GetTimeoutError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return isinstance(exc, TimeoutError)
+    return isinstance(exc, (TimeoutError, GetTimeoutError))
 
 
 def _stderr_line(line: str) -> None:

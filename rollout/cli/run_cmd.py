@@ -21,6 +21,8 @@ def needs_placement(command: str, placement: Placement | None) -> Placement:
 # `tito run`'s exit status when every engine died: finished groups (or sealed batches) are on disk, the rest
 # needs engines (2 is a usage or config error, 1 a run that wrote nothing, 128 + N a signal)
 EXIT_ENGINES_DIED = 3
+# a renderer did not answer within renderer.call_timeout_s: the run stopped, keeping what was written or sealed
+EXIT_RENDERER_HUNG = 4
 
 
 def _command(args, *extra: str) -> str:
@@ -38,6 +40,7 @@ def cmd_run(args, placement: Placement | None) -> int:
     import sys
 
     from ..config import ConfigError, load_config
+    from ..handles import RendererHung
     from ..loop import AllEnginesDied
     from .run import RunInterrupted, _signals_raise, print_summary, run, shutdown_ray
 
@@ -72,6 +75,15 @@ def cmd_run(args, placement: Placement | None) -> int:
                 print(f"tito run: {exc}: {s['this_run']['rollouts']} rollouts written this run, {s['rollouts']} in "
                       f"all in {cfg.output.dir}; rerun with --resume to finish", file=sys.stderr)
             return 128 + exc.signum
+        except RendererHung as exc:  # its rollouts' state is lost with it: what is sealed (or written) stays
+            if args.follow:
+                sealed = exc.summary["sealed"] if exc.summary else "no new"
+                print(f"tito run --follow: {exc}: stopping; {sealed} batches sealed in {args.follow}; "
+                      f"`{_command(args)}` goes on from the next batch", file=sys.stderr)
+            else:
+                print(f"tito run: {exc}: stopping; what finished is in {cfg.output.dir}: "
+                      f"`{_command(args, '--resume')}` runs the rest", file=sys.stderr)
+            return EXIT_RENDERER_HUNG
         except AllEnginesDied as exc:  # run() raises it once the finished work is on disk, with its summary
             s = exc.summary
             if args.follow:

@@ -53,7 +53,7 @@ from ..data.shards import (
 from ..engines.healer import is_actor_death
 from ..engines.lora import is_adapter_dir
 from ..envs.base import Task
-from ..handles import EngineHandle, RendererHandle
+from ..handles import BoundedRenderer, EngineHandle, RendererHandle
 from ..loop import AllEnginesDied, RolloutDriver, RolloutOutcome, gather_settling
 from .metrics import MetricsSink
 from .status import StatusWriter
@@ -395,7 +395,9 @@ class FollowService:
         self.follow = cfg.follow
         self.run_dir = Path(run_dir)
         self.driver = driver
-        self.renderers = list(renderers)
+        # bounded, as the driver's: a stopped renderer is named (RendererHung) rather than waited on for ever
+        self.renderers = [r if isinstance(r, BoundedRenderer) else BoundedRenderer(r, i, cfg.renderer.call_timeout_s)
+                          for i, r in enumerate(renderers)]
         self.pool = TaskPool(tasks, cfg.tasks.seed)
         self.config = config
         self.renderer_info = renderer_info
