@@ -184,6 +184,9 @@ class FollowConfig(_Strict):
     stall_after_s: float = Field(300.0, gt=0, description=(
         "`tito status` reports the service stalled when nothing progressed (a rollout finished, a batch was admitted "
         "or sealed, new weights loaded) for this long"))
+    load_timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False, description=(
+        "an engine that does not validate or load a checkpoint within this is hung: killed and restarted on the "
+        "weights the others hold (a checkpoint whose validation timed out is refused)"))
     keep_broadcasts: int | None = Field(None, ge=1, description=(
         "remove broadcasts/step_N older than the newest N the service has seen once it no longer needs them (it "
         "keeps what the engines hold); none (default): the trainer owns broadcasts/ and the service removes nothing"))

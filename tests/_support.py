@@ -19,6 +19,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -404,3 +406,30 @@ def logprobs_of(model, prompt: list[int], completion: list[int]) -> list[float]:
         logits = model(torch.tensor([prompt + completion])).logits[0].double()
     lp = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)
     return lp.gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+class AwakeClock:
+    """Seconds this machine was running, for bounds on how long something took: a thread ticks every 0.1 s and
+    counts each gap as at most 1 s, so a host that is paused or whose clock jumps (seen on CI: 55 000 s inside a
+    two-minute subprocess wait) does not fail a bound that the code under test kept."""
+
+    def __init__(self) -> None:
+        self._awake = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, daemon=True)
+        self._thread.start()
+
+    def _tick(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(0.1):
+            now = time.monotonic()
+            self._awake += min(now - last, 1.0)
+            last = now
+
+    def seconds(self) -> float:
+        return self._awake
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self._awake

@@ -38,17 +38,36 @@ class DeletedWhileValidated(ReplayEngine):
         return await super().validate_weights(path)
 
 
-def _follower(run_dir: Path, backend: ReplayEngine | None = None,
-              keep_broadcasts: int | None = None) -> tuple[WeightFollower, ReplayEngine, list[str]]:
+class Hangs(ReplayEngine):
+    """An engine whose validate or load of a checkpoint never returns (a stalled file system, a wedged loader)."""
+
+    def __init__(self, call: str) -> None:
+        super().__init__(synthetic=True, vocab_size=VOCAB)
+        self.call = call
+
+    async def validate_weights(self, path: str) -> dict:
+        if self.call == "validate":
+            await asyncio.Event().wait()
+        return await super().validate_weights(path)
+
+    async def update_weights(self, path: str, version: int | None = None, **kw) -> dict:
+        if self.call == "load":
+            await asyncio.Event().wait()
+        return await super().update_weights(path, version, **kw)
+
+
+def _follower(run_dir: Path, backend: ReplayEngine | None = None, keep_broadcasts: int | None = None,
+              *more: ReplayEngine, **options) -> tuple[WeightFollower, ReplayEngine, list[str]]:
     cfg = RunConfig(model=str(tokenizer_dir("qwen2.5-7b-instruct")), env={"name": "arithmetic"}, group_size=1)
     if backend is None:  # (not ``or``: an engine without records has len 0)
         backend = ReplayEngine(synthetic=True, vocab_size=VOCAB)
-    engines = [LocalEngine(backend)]
+    engines = [LocalEngine(b) for b in (backend, *more)]
     driver = RolloutDriver(cfg, make_env("arithmetic"), engines, [], backend.info(),
                            create_parser(cfg.renderer, cfg.model))
     lines: list[str] = []
+    driver.log = lines.append  # the healer's lines too
     follower = WeightFollower(run_dir, engines, driver, inflight="drain", poll_interval_s=0.01, log=lines.append,
-                              keep_broadcasts=keep_broadcasts)
+                              keep_broadcasts=keep_broadcasts, **options)
     return follower, backend, lines
 
 
@@ -148,3 +167,43 @@ def test_keep_broadcasts_removes_older_steps_but_never_what_the_engines_hold(tmp
         _publish(other, n)
         assert _poll(follower)
     assert layout.step_numbers(other) == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_file_that_would_block_is_refused_before_any_engine_reads_it(tmp_path):
+    run = tmp_path / "run"
+    step = _publish(run, 1)
+    (step / "model.safetensors").unlink()
+    os.mkfifo(step / "model.safetensors")  # an open() for reading waits for a writer that never comes
+    follower, engine, lines = _follower(run)
+    assert not _poll(follower) and engine.info().weight_version == 0
+    assert lines == [f"weights {step} refused: model.safetensors is not a regular file (a FIFO, socket or device "
+                     "would block or never end); the engines stay on version 0"]
+    assert not _poll(follower) and len(lines) == 1  # refused once, not retried
+
+
+def test_a_validation_that_never_returns_is_refused_within_the_bound_and_its_engine_is_hung(tmp_path):
+    run = tmp_path / "run"
+    step = _publish(run, 1)
+    follower, _, lines = _follower(run, Hangs("validate"), None, ReplayEngine(synthetic=True, vocab_size=VOCAB),
+                                   load_timeout_s=0.3)
+    t0 = time.monotonic()
+    assert not _poll(follower)
+    assert time.monotonic() - t0 < 5 and follower.version == 0
+    assert lines == [
+        "engine 0 lost: hung (validating step_1 did not finish within follow.load_timeout_s 0.3); 1 of 2 engines "
+        "serving; it runs in this process and cannot be restarted",
+        f"weights {step} refused: engine 0 did not validate it within follow.load_timeout_s 0.3; the engines stay "
+        "on version 0"]
+    assert follower.holder.router.alive() == [1]
+
+
+def test_a_load_that_never_returns_costs_that_engine_only_and_the_others_load(tmp_path):
+    run = tmp_path / "run"
+    _publish(run, 1)
+    other, hung = ReplayEngine(synthetic=True, vocab_size=VOCAB), Hangs("load")
+    follower, _, lines = _follower(run, other, None, hung, load_timeout_s=0.3)
+    assert _poll(follower) and follower.version == 1 and other.info().weight_version == 1
+    assert hung.info().weight_version == 0 and follower.holder.router.alive() == [0]
+    assert lines[0] == ("engine 1 lost: hung (loading step_1 did not finish within follow.load_timeout_s 0.3); 1 of "
+                        "2 engines serving; it runs in this process and cannot be restarted")
+    assert lines[1].startswith("weights v1 loaded in "), lines

@@ -116,8 +116,9 @@ class WeightFollower:
 
     def __init__(self, run_dir: Path, engines: Sequence[EngineHandle], holder: RolloutDriver, *, inflight: str,
                  poll_interval_s: float, log: Callable[[str], None], start_version: int = 0,
-                 keep_broadcasts: int | None = None) -> None:
+                 keep_broadcasts: int | None = None, load_timeout_s: float = 600.0) -> None:
         self.run_dir = run_dir
+        self.load_timeout_s = load_timeout_s
         self.engines = list(engines)
         self.holder = holder
         self.inflight = inflight
@@ -163,6 +164,16 @@ class WeightFollower:
             return ""
         gap = f"v{self.version + 1}" if n == self.version + 2 else f"v{self.version + 1}..v{n - 1}"
         return f"; skipped ahead from v{self.version}: {gap} not published, or not stable when v{n} was found"
+
+    async def _bounded(self, index: int, call: Any, what: str) -> Any:
+        """Await engine ``index``'s ``call`` for at most ``load_timeout_s``; past it the engine is hung (killed,
+        restarted on the current weights) and :class:`TimeoutError` is raised."""
+        try:
+            return await asyncio.wait_for(call, self.load_timeout_s)
+        except TimeoutError:
+            self.holder.healer.hung(index, f"{what} did not finish within follow.load_timeout_s "
+                                           f"{self.load_timeout_s:g}")
+            raise
 
     def _live(self) -> list[int]:
         """The engines still alive; none: :class:`AllEnginesDied` (a service waiting on a trainer would otherwise
@@ -273,14 +284,27 @@ class WeightFollower:
         path = layout.broadcast_dir(self.run_dir, n)
         stable_mtime = (path / layout.STABLE).stat().st_mtime
         seen = time.time()
+        blocking = unreadable_entries(path)
+        if blocking:  # a read of a FIFO or device may never return: refused before any engine opens it
+            self.refused[n] = stable_mtime
+            self._error(f"weights {path} refused: {blocking[0]} is not a regular file (a FIFO, socket or device "
+                        f"would block or never end); the engines stay on version {self.version}")
+            return False
         if is_adapter_dir(path):
             return await self._load_adapter(n, path, stable_mtime, seen)
         t0 = time.perf_counter()
         while True:  # before anything pauses: a bad checkpoint must not cost the running rollouts anything
             live = self._live()  # an engine that died is out of routing: nothing to load into it
             try:
-                await self.engines[live[0]].validate_weights(str(path))
+                await self._bounded(live[0], self.engines[live[0]].validate_weights(str(path)),
+                                    f"validating {path.name}")
                 break
+            except TimeoutError:  # a stalled file system or a file that never ends: refused, not retried
+                self.refused[n] = stable_mtime
+                self._error(f"weights {path} refused: engine {live[0]} did not validate it within "
+                            f"follow.load_timeout_s {self.load_timeout_s:g}; the engines stay on version "
+                            f"{self.version}")
+                return False
             except Exception as exc:  # noqa: BLE001 - any refusal: named, logged once, the run goes on
                 if is_actor_death(exc):  # the validating engine died (maybe while the service idled): the next
                     self.holder.healer.lost(live[0], f"it died validating {path.name} ({type(exc).__name__})")
@@ -295,7 +319,8 @@ class WeightFollower:
             t2 = time.perf_counter()
             # keep: the turns in flight go on under the new weights, each token stamped by the engine
             keep = {"keep_running": True} if self.inflight == "keep" else {}
-            results = await asyncio.gather(*(self.engines[i].update_weights(str(path), n, **keep) for i in live),
+            results = await asyncio.gather(*(self._bounded(i, self.engines[i].update_weights(str(path), n, **keep),
+                                                           f"loading {path.name}") for i in live),
                                            return_exceptions=True)
         finally:
             self.holder.release()
@@ -305,6 +330,8 @@ class WeightFollower:
             if isinstance(r, BaseException):
                 if is_actor_death(r):  # its turns are re-sent to the others, as in any run
                     self.holder.healer.lost(i, f"it died loading {path.name} ({type(r).__name__})")
+                elif isinstance(r, TimeoutError):
+                    pass  # named and restarting (_bounded): it comes back on the version the others load
                 else:
                     failed.append(r)
             else:
@@ -345,13 +372,16 @@ class WeightFollower:
         live = self._live()
         self._phase("loading", n)
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(self.engines[i].load_lora_adapter(LORA_NAME, str(path), n) for i in live),
+        results = await asyncio.gather(*(self._bounded(i, self.engines[i].load_lora_adapter(LORA_NAME, str(path), n),
+                                                       f"loading adapter {path.name}") for i in live),
                                        return_exceptions=True)
         failed = []
         for i, r in zip(live, results):
             if isinstance(r, BaseException):
                 if is_actor_death(r):
                     self.holder.healer.lost(i, f"it died loading adapter {path.name} ({type(r).__name__})")
+                elif isinstance(r, TimeoutError):
+                    pass  # named and restarting (_bounded)
                 else:
                     failed.append(r)
             else:
@@ -379,6 +409,21 @@ class WeightFollower:
         return True
 
 
+def unreadable_entries(path: Path) -> list[str]:
+    """The names in checkpoint ``path`` that are not regular files or directories (symlinks followed)."""
+    import stat
+
+    bad = []
+    for entry in sorted(path.iterdir()):
+        try:
+            mode = entry.stat().st_mode
+        except OSError:
+            continue  # a dangling link or a file removed meanwhile: validation names what is missing
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            bad.append(entry.name)
+    return bad
+
+
 def root_message(exc: BaseException) -> str:
     """The engine's own message of an exception that came through Ray (its ``cause``), else its text."""
     cause = getattr(exc, "cause", None)
@@ -404,7 +449,8 @@ class FollowService:
         self.log = log or (lambda line: print(f"tito run --follow: {line}", file=sys.stderr, flush=True))
         self.weights = WeightFollower(self.run_dir, engines, driver, inflight=self.follow.inflight,
                                       poll_interval_s=self.follow.poll_interval_s, log=self.log,
-                                      keep_broadcasts=self.follow.keep_broadcasts)
+                                      keep_broadcasts=self.follow.keep_broadcasts,
+                                      load_timeout_s=self.follow.load_timeout_s)
         # a lost engine is named in this log and comes back on the version the others hold
         driver.log = self.log
         driver.healer.bring_up = self.weights.bring_up

@@ -82,6 +82,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _pid_stopped(pid: int) -> bool:
+    """Linux: the process is stopped (SIGSTOP, a debugger); elsewhere, or unreadable: False."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[:1] in (["T"], ["t"])
+
+
 def health(status: dict[str, Any], now: float | None = None) -> tuple[Health, str]:
     """(``healthy`` | ``stale`` | ``stalled``, one line saying why)."""
     now = time.time() if now is None else now
@@ -93,6 +102,9 @@ def health(status: dict[str, Any], now: float | None = None) -> tuple[Health, st
     if isinstance(pid, int) and host == socket.gethostname() and not _pid_alive(pid):
         return "stale", f"the service is gone: pid {pid} is not running (last update {age:.0f} s ago)"
     if age > STALE_INTERVALS * interval:
+        if isinstance(pid, int) and host == socket.gethostname() and _pid_stopped(pid):
+            return "stale", (f"the service is stopped: pid {pid} is in state T (SIGSTOP or a debugger; SIGCONT "
+                             f"resumes it), status.json last updated {age:.0f} s ago")
         return "stale", (f"the service is gone: status.json last updated {age:.0f} s ago (it is rewritten every "
                          f"{interval:g} s)")
     stall = status.get("stall_after_s")
