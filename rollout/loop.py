@@ -176,6 +176,7 @@ class RolloutDriver:
         self._advantages(outcomes)
         s = self.cfg.sampling
         sampling = Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+        record = task.record()
         items = []
         for o in outcomes:
             if min_version is not None and o.version_min is not None and o.version_min < min_version:
@@ -188,7 +189,7 @@ class RolloutDriver:
                 messages=o.messages if o.unsent is None else None,
                 unsent_messages=o.messages[len(o.messages) - o.unsent:] if o.unsent else [],
                 reward=o.reward, reward_components=o.components, advantage=o.advantage, error=o.error,
-                sampling=sampling, lora=o.lora,
+                sampling=sampling, lora=o.lora, task=record,
             ), o.last_turn))
         # one call, one unit for the shard writer: a group's rows always land in the same file, so a
         # resumed run finds every group either whole or absent

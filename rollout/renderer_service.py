@@ -248,7 +248,7 @@ class RendererService:
             "finish_reason": meta.finish_reason, "breaks": json.dumps([b.to_dict() for b in ro.breaks]),
             "model": self.model_name, "lora": meta.lora, "renderer": self.renderer.name,
             "template_sha256": self.renderer.template_sha256 or "", "error": meta.error,
-            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
+            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed, "task": meta.task,
         }
         rows = []
         for i, seg in enumerate(segments):

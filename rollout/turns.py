@@ -83,6 +83,7 @@ class RolloutMeta(msgspec.Struct, frozen=True):
     error: str | None = None
     sampling: Sampling = Sampling()
     lora: str | None = None  # the LoRA adapter its turns were sampled with (None: the base model)
+    task: str | None = None  # JSON of the task record (Task.record()): one text per group, shared by its rows
 
 
 class Finished(msgspec.Struct, frozen=True):

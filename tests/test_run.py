@@ -134,7 +134,7 @@ def _old_layout(out, cfg, files: dict[str, list[dict]]) -> None:
     from .test_data import synthetic_row
 
     sha = create_renderer(load_tokenizer(cfg.model)).template_sha256
-    old = pa.schema([f for f in SCHEMA if f.name not in SAMPLING_COLUMNS + VERSION_COLUMNS + ("lora",)])
+    old = pa.schema([f for f in SCHEMA if f.name not in SAMPLING_COLUMNS + VERSION_COLUMNS + ("lora", "task")])
     out.mkdir(parents=True)
     for name, specs in files.items():
         rows = [dict(synthetic_row(i), model=cfg.model, template_sha256=sha, **spec) for i, spec in enumerate(specs)]

@@ -83,7 +83,7 @@ def test_bad_rows_fail_before_any_file_is_written(tmp_path):
     with pytest.raises((ValueError, pa.ArrowInvalid, pa.ArrowTypeError)):
         w.add([{"token_ids": "not a list"}])
     assert not list(tmp_path.iterdir())
-    assert len(SCHEMA) == 30
+    assert len(SCHEMA) == 31
 
 
 def test_every_column_is_documented():

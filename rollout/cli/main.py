@@ -183,6 +183,7 @@ def build_parser(placement: Placement | None = None) -> argparse.ArgumentParser:
     export.set_defaults(func=cmd_export)
 
     from .doctor import register as register_doctor
+    from .envs import register as register_envs
     from .run_cmd import register
     from .serve_cmd import register as register_serve
     from .status import register as register_status
@@ -191,13 +192,14 @@ def build_parser(placement: Placement | None = None) -> argparse.ArgumentParser:
     register_serve(sub, placement)
     register_doctor(sub)
     register_status(sub)
+    register_envs(sub)
     return parser
 
 
 # Commands that only print to stdout: `tito render ... | head` ends them quietly, as a shell tool ends. The others
 # talk to Ray, engines and HTTP clients, where SIGPIPE's default action would end the process without a word on a
 # closed socket instead of raising the BrokenPipeError their error handling names.
-_PIPE_QUIET_COMMANDS = frozenset({"render", "template", "inspect", "status"})
+_PIPE_QUIET_COMMANDS = frozenset({"render", "template", "inspect", "status", "envs"})
 
 
 def main(argv: list[str] | None = None, placement: Placement | None = None) -> int:

@@ -30,8 +30,9 @@ import pyarrow.parquet as pq
 # 2: sampling columns; shards in data/, metadata files named _*.json. 3: per-token ``weight_versions`` and
 # ``weight_version_max`` (follow mode: one completion may hold tokens of two weight versions). Files of an
 # older schema still read: every reader derives the missing columns (:func:`with_version_columns`). 4: ``lora``, the
-# adapter that sampled the rollout (an older file has none: every row was sampled by the base model).
-SCHEMA_VERSION = "4"
+# adapter that sampled the rollout (an older file has none: every row was sampled by the base model). 5: ``task``, the
+# task record the environment was given (an older file has none: null).
+SCHEMA_VERSION = "5"
 
 DATA_DIR = "data"  # the shards' folder inside an output directory
 STREAM = "train"  # file-name prefix: HF datasets maps it to the "train" split
@@ -70,6 +71,8 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("top_p", pa.float64(), "nucleus sampling p (1 = off; null if unknown)"),
     ("top_k", pa.int32(), "top-k sampling k (0 = off; null if unknown)"),
     ("seed", pa.int64(), "the run's sampling.seed (each turn's seed derives from it and the rollout id); null if unset"),
+    ("task", pa.string(), "JSON: the task the environment was given (task_id, messages, answer, metadata), so a "
+                          "reward can be recomputed from the row alone"),
 ]
 SAMPLING_COLUMNS = ("temperature", "top_p", "top_k", "seed")
 # schema 3's columns: a row or file without them (schema <= 2, a hand-built row) gets them derived from
@@ -110,7 +113,7 @@ def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
     not know them; the base model), and the version columns (derived: :func:`with_version_columns`); any other missing column
     is an error naming it. ``weight_versions`` must be as long as ``token_ids`` and -1 exactly where
     ``loss_mask`` is false (a ValueError names the first row that is not)."""
-    optional = SAMPLING_COLUMNS + VERSION_COLUMNS + ("lora",)  # lora left out: the base model (null)
+    optional = SAMPLING_COLUMNS + VERSION_COLUMNS + ("lora", "task")  # lora left out: the base model (null)
     missing = [name for name, _, _ in COLUMNS if rows and name not in rows[0] and name not in optional]
     if missing:
         raise ValueError(f"sample rows lack columns {missing}")

@@ -73,6 +73,25 @@ class Task(msgspec.Struct, kw_only=True):
     answer: str | None = None
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
 
+    def record(self) -> str:
+        """The task as JSON, for the shards' ``task`` column: what a reward is recomputed from. A metadata value
+        JSON cannot hold (a numpy scalar or array: its value; a date: its ``str``) is converted, sets are sorted
+        (the same record in every process)."""
+        return msgspec.json.encode(self, enc_hook=_as_text, order="deterministic").decode()
+
+
+def _as_text(value: Any) -> Any:
+    item = getattr(value, "item", None)  # numpy scalars
+    if callable(item):
+        try:
+            return item()
+        except (TypeError, ValueError):
+            pass
+    tolist = getattr(value, "tolist", None)  # numpy arrays
+    if callable(tolist):
+        return tolist()
+    return str(value)
+
 
 class StepResult(msgspec.Struct, kw_only=True):
     """What one environment step produced: messages to append after the assistant message (tool results,
