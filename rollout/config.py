@@ -107,8 +107,17 @@ class RendererConfig(_Strict):
 
 
 class EnvConfig(_Strict):
-    name: str = "arithmetic"
+    name: str = Field("arithmetic", description="a built-in, 'package.module:Class' or a tito.environments entry "
+                                                "point (`tito envs` lists them)")
     options: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False, description=(
+        "the longest one reset, step or score may take: past it the rollout ends with env_error"))
+    max_message_chars: int = Field(1_000_000, ge=1, description=(
+        "the most characters one step's messages may hold together (a tool that prints 100 MB): more is env_error"))
+    max_error_rate: float = Field(0.5, ge=0, le=1, description=(
+        "env_error rollouts / finished rollouts above this (once env.error_rate_after finished) stop the run; "
+        "1: never"))
+    error_rate_after: int = Field(20, ge=1, description="finished rollouts before env.max_error_rate applies")
 
 
 class TasksConfig(_Strict):

@@ -40,6 +40,7 @@ from .config import RunConfig
 from .engines.healer import EngineHealer, is_actor_death
 from .engines.protocol import EngineInfo, GenerateRequest, GenerateResult, SamplingParams
 from .envs.base import Environment, Task
+from .envs.guard import EnvFault, GuardedEnv
 from .handles import BoundedRenderer, EngineHandle, RendererHandle, RendererHung
 from .routing import StickyLeastLoaded
 from .turns import Finished, RolloutMeta, SampledTurn, Sampling
@@ -65,6 +66,13 @@ class AllEnginesDied(RuntimeError):
     def of(cls, engines: int) -> AllEnginesDied:
         """The error for a run or service whose ``engines`` engines all died."""
         return cls("the engine died" if engines == 1 else f"all {engines} engines died")
+
+
+class EnvErrorRate(RuntimeError):
+    """Too many rollouts ended with env_error (``env.max_error_rate``): the environment, not one rollout, is
+    broken, so the run stops, keeping what was written (``summary``: set by rollout/cli/run.py)."""
+
+    summary: dict | None = None
 
 
 class RolloutOutcome(msgspec.Struct):
@@ -113,6 +121,11 @@ class RolloutDriver:
     ) -> None:
         self.cfg = cfg
         self.env = env
+        # every env call bounded and its result checked: a fault ends one rollout (env_error), not the run
+        self.guarded = GuardedEnv(env, name=cfg.env.name, timeout_s=cfg.env.timeout_s,
+                                  max_message_chars=cfg.env.max_message_chars)
+        self.env_errors = 0
+        self.first_env_error: str | None = None
         self.engines = engines
         # every renderer call bounded: a stopped renderer actor is named (RendererHung), not waited on for ever
         self.renderers: list[RendererHandle] = [BoundedRenderer(r, i, cfg.renderer.call_timeout_s)
@@ -227,6 +240,12 @@ class RolloutDriver:
                                          error=f"timed out after {self.cfg.rollout_timeout_s}s")
             except (AllEnginesDied, RendererHung):  # the run cannot go on: not one failed rollout
                 raise
+            except EnvFault as exc:  # the environment failed this rollout: its conversation so far is kept
+                outcome = RolloutOutcome(rollout_id, task.task_id, group_id, "env_error",
+                                         messages=getattr(exc, "messages", None) or list(task.messages),
+                                         error=str(exc))
+                self.env_errors += 1
+                self.first_env_error = self.first_env_error or str(exc)
             except Exception as exc:  # a failed rollout is recorded; the run goes on
                 outcome = RolloutOutcome(rollout_id, task.task_id, group_id, "error", messages=list(task.messages),
                                          error=f"{type(exc).__name__}: {exc}")
@@ -234,6 +253,12 @@ class RolloutDriver:
         self.finish_counts[outcome.finish_reason] += 1
         if self.on_progress:
             self.on_progress(outcome)
+        finished = sum(self.finish_counts.values())
+        e = self.cfg.env
+        if self.env_errors and finished >= e.error_rate_after and self.env_errors / finished > e.max_error_rate:
+            raise EnvErrorRate(f"environment {e.name!r}: {self.env_errors} of {finished} rollouts ended with "
+                               f"env_error (above env.max_error_rate {e.max_error_rate:g}); the first: "
+                               f"{self.first_env_error}")
         return outcome
 
     async def _engine_available(self) -> None:
@@ -346,10 +371,18 @@ class RolloutDriver:
 
     async def run_rollout(self, task: Task, group_id: str, rollout_id: str,
                           renderer: RendererHandle) -> RolloutOutcome:
-        cfg = self.cfg
-        state = self.env.reset(task)
-        tools = self.env.tools
         messages = [dict(m) for m in task.messages]
+        try:
+            return await self._rollout(task, group_id, rollout_id, renderer, messages)
+        except EnvFault as exc:  # the conversation up to the fault goes in its row
+            exc.messages = messages  # type: ignore[attr-defined]
+            raise
+
+    async def _rollout(self, task: Task, group_id: str, rollout_id: str, renderer: RendererHandle,
+                       messages: list[dict]) -> RolloutOutcome:
+        cfg = self.cfg
+        state = await self.guarded.reset(task)
+        tools = self.env.tools
         prompt = (await renderer.begin(rollout_id, messages, tools)).ids
         budget = cfg.max_tokens_per_rollout
         finish = "max_turns"
@@ -390,7 +423,7 @@ class RolloutDriver:
             if result.finish_reason == "length":
                 finish = "length"
                 break
-            step = await self.env.step(state, parsed)
+            step = await self.guarded.step(state, parsed)
             if step.done:
                 finish = "env_done"
                 break
@@ -405,7 +438,7 @@ class RolloutDriver:
                 last_turn = None
             else:
                 unsent = len(step.new_messages)
-        score = self.env.score(state, messages)
+        score = await self.guarded.score(state, messages)
         return RolloutOutcome(
             rollout_id=rollout_id, task_id=task.task_id, group_id=group_id, finish_reason=finish,
             reward=float(score.reward), components=dict(score.components), messages=messages, unsent=unsent,

@@ -36,7 +36,7 @@ def _recompute(run_dir, k: int) -> dict:
                 vmin[s.rollout_id] = min(vmin.get(s.rollout_id, v), int(v))
                 vmax[s.rollout_id] = max(vmax.get(s.rollout_id, v), int(v))
     cols = open_shards(layout.step_dir(run_dir, k)).to_table(
-        columns=["segment_index", "reward", "error", "completion_tokens"]).to_pylist()
+        columns=["segment_index", "reward", "error", "completion_tokens", "finish_reason"]).to_pylist()
     firsts = [c for c in cols if c["segment_index"] == 0]
     rewards = [c["reward"] for c in firsts if c["error"] is None] + [w["reward"] for w in withheld]
     n = sum(tokens.values())
@@ -51,6 +51,7 @@ def _recompute(run_dir, k: int) -> dict:
         # abort_resume: a turn stopped by an update and continued under the new weights carries two versions
         "resumed_turns": sum(len(vs) > 1 for vs in turns.values()),
         "errors": sum(c["error"] is not None for c in firsts),
+        "env_errors": sum(c["finish_reason"] == "env_error" for c in firsts + withheld),
         "reward": {"min": min(rewards), "mean": round(sum(rewards) / len(rewards), 4), "max": max(rewards)},
     }
 

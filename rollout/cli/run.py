@@ -19,7 +19,7 @@ from ..config import RunConfig
 from ..data.outputs import check_resume, complete_groups, drop_groups, remove_temporaries, write_failure, write_outputs
 from ..data.shards import DATA_DIR, ShardWriteError, output_shards, read_table, write_error_of
 from ..handles import EngineHandle, RendererHandle, RendererHung
-from ..loop import AllEnginesDied, RolloutDriver
+from ..loop import AllEnginesDied, EnvErrorRate, RolloutDriver
 from ..startup import STOP_SIGNALS, Placement, in_main_thread
 from .progress import Progress, ready_line, startup_line
 
@@ -286,7 +286,7 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
             summary = {"run_dir": str(follow), "sealed": recover(follow), "wall_s": round(wall_s, 3),
                        "startup_s": round(startup_s, 3), "resumed_turns": driver.resumed_turns if driver else 0,
                        "interrupted": signal.Signals(signals[0]).name if signals else None}
-            if isinstance(error, AllEnginesDied | RendererHung):
+            if isinstance(error, AllEnginesDied | RendererHung | EnvErrorRate):
                 error.summary = summary  # type: ignore[union-attr]
             if error is not None:
                 raise error
@@ -307,6 +307,7 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
             # engines lost (killed, OOM, hung) and restarted with the run going on (rollout/engines/healer.py)
             "engines_lost": driver.healer.lost_total if driver is not None else 0,
             "engines_restarted": driver.healer.restarted_total if driver is not None else 0,
+            "env_errors": driver.env_errors if driver is not None else 0,  # rollouts the environment failed
             "wall_s": round(wall_s, 3), "startup_s": round(startup_s, 3),
             # wall time each engine had a request in flight; wall / busy is the orchestration overhead
             "engine_busy_s": [round(b, 3) for b in busy],
@@ -322,7 +323,7 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
         else:
             if isinstance(error, ShardWriteError):
                 error = write_failure(error, out_dir, summary=summary)
-            elif isinstance(error, AllEnginesDied | RendererHung):
+            elif isinstance(error, AllEnginesDied | RendererHung | EnvErrorRate):
                 error.summary = summary  # type: ignore[union-attr]
         placement.stop([*engines, *renderer_actors])
     if error is not None:

@@ -23,6 +23,8 @@ def needs_placement(command: str, placement: Placement | None) -> Placement:
 EXIT_ENGINES_DIED = 3
 # a renderer did not answer within renderer.call_timeout_s: the run stopped, keeping what was written or sealed
 EXIT_RENDERER_HUNG = 4
+# more rollouts than env.max_error_rate ended with env_error: the environment is broken, the written work stays
+EXIT_ENV_ERRORS = 5
 
 
 def _command(args, *extra: str) -> str:
@@ -41,7 +43,7 @@ def cmd_run(args, placement: Placement | None) -> int:
 
     from ..config import ConfigError, load_config
     from ..handles import RendererHung
-    from ..loop import AllEnginesDied
+    from ..loop import AllEnginesDied, EnvErrorRate
     from .run import RunInterrupted, _signals_raise, print_summary, run, shutdown_ray
 
     placement = needs_placement("run", placement)
@@ -75,6 +77,13 @@ def cmd_run(args, placement: Placement | None) -> int:
                 print(f"tito run: {exc}: {s['this_run']['rollouts']} rollouts written this run, {s['rollouts']} in "
                       f"all in {cfg.output.dir}; rerun with --resume to finish", file=sys.stderr)
             return 128 + exc.signum
+        except EnvErrorRate as exc:
+            if args.follow:
+                sealed = exc.summary["sealed"] if exc.summary else "no new"
+                print(f"tito run --follow: {exc}: stopping; {sealed} batches sealed in {args.follow}", file=sys.stderr)
+            else:
+                print(f"tito run: {exc}: stopping; what finished is in {cfg.output.dir}", file=sys.stderr)
+            return EXIT_ENV_ERRORS
         except RendererHung as exc:  # its rollouts' state is lost with it: what is sealed (or written) stays
             if args.follow:
                 sealed = exc.summary["sealed"] if exc.summary else "no new"

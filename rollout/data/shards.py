@@ -56,7 +56,7 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("rollout_id", pa.string(), ""),
     ("segment_index", pa.int32(), "0-based segment of the rollout (a break starts a new one)"),
     ("segment_count", pa.int32(), "segments of this rollout"),
-    ("finish_reason", pa.string(), "why the rollout ended: no_tool_call, env_done, max_turns, length, context_limit, token_budget, error, timeout"),
+    ("finish_reason", pa.string(), "why the rollout ended: no_tool_call, env_done, max_turns, length, context_limit, token_budget, error, env_error, timeout"),
     ("breaks", pa.string(), "JSON list of the rollout's breaks: turn, reason, detail, position"),
     ("weight_version", pa.int64(), "the lowest weight version among the segment's sampled tokens (0 if it has none)"),
     ("weight_version_max", pa.int64(), "the highest weight version among the segment's sampled tokens (0 if it has none)"),

@@ -738,7 +738,8 @@ def seal_batch(run_dir: Path, k: int, *, files: list[dict], outcomes: list[Rollo
                            f"from versions older than {bound} (the off-policy bound): not sealed")
     totals = rollout_totals(out_dir)
     written = [o for o in outcomes if o.withheld is None]
-    withheld = [{"rollout_id": o.rollout_id, "group_id": o.group_id, "reason": o.withheld, "reward": o.reward}
+    withheld = [{"rollout_id": o.rollout_id, "group_id": o.group_id, "reason": o.withheld, "reward": o.reward,
+                 "finish_reason": o.finish_reason}
                 for o in outcomes if o.withheld is not None]
     staleness = [k - 1 - o.version_min for o in written if o.version_min is not None]
     tokens = sum(per_version.values())
@@ -767,4 +768,4 @@ def seal_batch(run_dir: Path, k: int, *, files: list[dict], outcomes: list[Rollo
             "samples": totals["rows"], "reward": _stats(rewards), "completion_tokens": totals["completion_tokens"],
             "staleness": follow["staleness"], "token_staleness_mean": follow["token_staleness_mean"],
             "tokens_per_version": follow["tokens_per_version"], "spanning_versions": follow["spanning_versions"],
-            "errors": totals["errors"], **info}
+            "errors": totals["errors"], "env_errors": sum(o.finish_reason == "env_error" for o in outcomes), **info}
