@@ -173,6 +173,24 @@ class PrimeRLConfig(_Strict):
     pad_to_multiple_of: int = Field(1, ge=1, description="pad each micro batch to a multiple of this (the trainer's cp)")
 
 
+class EvalTasksConfig(_Strict):
+    count: int = Field(64, ge=1, description="held-out tasks evaluated at each evaluated version")
+    seed: int | None = Field(None, description="the generator's seed; none: tasks.seed + 1 (tasks that also appear "
+                                               "in the training pool are dropped either way)")
+    path: str | None = Field(None, description="a JSONL or Parquet task file instead of the generator")
+
+
+class EvalConfig(_Strict):
+    """``follow.eval``: held-out evaluation while training (docs/follow.md "Evaluation")."""
+
+    every: int = Field(10, ge=1, description="evaluate version 0, then every version that is a multiple of this")
+    env: EnvConfig | None = Field(None, description="none: the run's env")
+    tasks: EvalTasksConfig = Field(default_factory=EvalTasksConfig)
+    sampling: SamplingConfig | None = Field(None, description="none: the run's sampling")
+    group_size: int = Field(1, ge=1, description="rollouts per eval task (pass@k is over these)")
+    correct_at: float = Field(1.0, allow_inf_nan=False, description="a rollout counts as correct at this reward")
+
+
 class FollowConfig(_Strict):
     """``tito run --follow RUN_DIR`` (continuous RL, docs/follow.md): batches of groups written while a trainer
     trains, the trainer's weights loaded as they are published."""
@@ -203,6 +221,7 @@ class FollowConfig(_Strict):
         "shards: each batch as Arrow shards (read_step); prime-rl: also as prime-rl's trainer reads it, "
         "rollouts/step_k/rank_<r>.bin (msgspec micro batches, packed by follow.prime_rl), before the batch seals"))
     prime_rl: PrimeRLConfig = Field(default_factory=PrimeRLConfig)
+    eval: EvalConfig | None = Field(None, description="held-out evaluation at every eval.every-th version; none: off")
 
 
 class RayConfig(_Strict):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import statistics
 import sys
@@ -36,7 +37,7 @@ import msgspec
 
 from tito_renderers import Renderer
 
-from .config import RunConfig
+from .config import RunConfig, SamplingConfig
 from .engines.healer import EngineHealer, is_actor_death
 from .engines.protocol import EngineInfo, GenerateRequest, GenerateResult, SamplingParams
 from .envs.base import Environment, Task
@@ -66,6 +67,16 @@ class AllEnginesDied(RuntimeError):
     def of(cls, engines: int) -> AllEnginesDied:
         """The error for a run or service whose ``engines`` engines all died."""
         return cls("the engine died" if engines == 1 else f"all {engines} engines died")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """What a group is rolled out with: the run's environment, group size and sampling unless a caller (follow
+    mode's evaluation) brings its own."""
+
+    env: GuardedEnv
+    group_size: int
+    sampling: SamplingConfig
 
 
 class EnvErrorRate(RuntimeError):
@@ -124,6 +135,7 @@ class RolloutDriver:
         # every env call bounded and its result checked: a fault ends one rollout (env_error), not the run
         self.guarded = GuardedEnv(env, name=cfg.env.name, timeout_s=cfg.env.timeout_s,
                                   max_message_chars=cfg.env.max_message_chars)
+        self.plan = GroupPlan(self.guarded, cfg.group_size, cfg.sampling)
         self.env_errors = 0
         self.first_env_error: str | None = None
         self.engines = engines
@@ -177,17 +189,20 @@ class RolloutDriver:
             await self.healer.close()
 
     async def run_group(self, task: Task, group_index: int, *, group_id: str | None = None,
-                        out_dir: str | None = None, min_version: int | None = None) -> list[RolloutOutcome]:
+                        out_dir: str | None = None, min_version: int | None = None,
+                        plan: GroupPlan | None = None) -> list[RolloutOutcome]:
         """The group's ``group_size`` rollouts, their advantages, and their rows handed to a renderer (to
         ``out_dir`` when given). ``group_id`` names the group (default: the task id) and its rollouts
         ``<group_id>#<i>``. With ``min_version``, a rollout that sampled any token under an older version is
-        withheld (``withheld`` says why; no row is written) but its reward still counts in the baseline."""
+        withheld (``withheld`` says why; no row is written) but its reward still counts in the baseline.
+        ``plan``: another environment, group size or sampling than the run's."""
+        plan = plan or self.plan
         group_id = group_id or f"{task.task_id}"
         renderer = self.renderers[group_index % len(self.renderers)]
         outcomes = await gather_settling(
-            self._run_with_retries(task, group_id, f"{group_id}#{k}", renderer) for k in range(self.cfg.group_size))
+            self._run_with_retries(task, group_id, f"{group_id}#{k}", renderer, plan) for k in range(plan.group_size))
         self._advantages(outcomes)
-        s = self.cfg.sampling
+        s = plan.sampling
         sampling = Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
         record = task.record()
         items = []
@@ -226,13 +241,13 @@ class RolloutDriver:
             o.advantage = adv
 
     async def _run_with_retries(self, task: Task, group_id: str, rollout_id: str,
-                                renderer: RendererHandle) -> RolloutOutcome:
+                                renderer: RendererHandle, plan: GroupPlan | None = None) -> RolloutOutcome:
         """One rollout, recorded however it ends (a lost engine's turns are re-sent to a live one inside it)."""
         async with self.limit:
             await self._engine_available()
             try:
                 outcome = await asyncio.wait_for(
-                    self.run_rollout(task, group_id, rollout_id, renderer), self.cfg.rollout_timeout_s
+                    self.run_rollout(task, group_id, rollout_id, renderer, plan), self.cfg.rollout_timeout_s
                 )
             except TimeoutError:
                 outcome = RolloutOutcome(rollout_id, task.task_id, group_id, "timeout",
@@ -362,27 +377,26 @@ class RolloutDriver:
                                              token_versions=spans)
             return joined, spans
 
-    def _seed(self, rollout_id: str, turn: int) -> int | None:
-        base = self.cfg.sampling.seed
+    def _seed(self, rollout_id: str, turn: int, base: int | None) -> int | None:
         if base is None:
             return None
         digest = hashlib.sha256(f"{base}:{rollout_id}:{turn}".encode()).digest()
         return int.from_bytes(digest[:4], "little")
 
     async def run_rollout(self, task: Task, group_id: str, rollout_id: str,
-                          renderer: RendererHandle) -> RolloutOutcome:
+                          renderer: RendererHandle, plan: GroupPlan | None = None) -> RolloutOutcome:
         messages = [dict(m) for m in task.messages]
         try:
-            return await self._rollout(task, group_id, rollout_id, renderer, messages)
+            return await self._rollout(task, group_id, rollout_id, renderer, messages, plan or self.plan)
         except EnvFault as exc:  # the conversation up to the fault goes in its row
             exc.messages = messages  # type: ignore[attr-defined]
             raise
 
     async def _rollout(self, task: Task, group_id: str, rollout_id: str, renderer: RendererHandle,
-                       messages: list[dict]) -> RolloutOutcome:
-        cfg = self.cfg
-        state = await self.guarded.reset(task)
-        tools = self.env.tools
+                       messages: list[dict], plan: GroupPlan) -> RolloutOutcome:
+        cfg, env, s = self.cfg, plan.env, plan.sampling
+        state = await env.reset(task)
+        tools = env.tools
         prompt = (await renderer.begin(rollout_id, messages, tools)).ids
         budget = cfg.max_tokens_per_rollout
         finish = "max_turns"
@@ -400,8 +414,8 @@ class RolloutDriver:
                 finish = "context_limit"
                 break
             sampling = SamplingParams(
-                max_tokens=max_tokens, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                top_k=cfg.sampling.top_k, seed=self._seed(rollout_id, turn), stop_token_ids=self.stop_token_ids,
+                max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p,
+                top_k=s.top_k, seed=self._seed(rollout_id, turn, s.seed), stop_token_ids=self.stop_token_ids,
             )
             request = GenerateRequest(request_id=f"{rollout_id}/{turn}", prompt_ids=prompt, sampling=sampling,
                                       session_id=rollout_id, lora=self.lora)
@@ -423,7 +437,7 @@ class RolloutDriver:
             if result.finish_reason == "length":
                 finish = "length"
                 break
-            step = await self.guarded.step(state, parsed)
+            step = await env.step(state, parsed)
             if step.done:
                 finish = "env_done"
                 break
@@ -438,7 +452,7 @@ class RolloutDriver:
                 last_turn = None
             else:
                 unsent = len(step.new_messages)
-        score = await self.guarded.score(state, messages)
+        score = await env.score(state, messages)
         return RolloutOutcome(
             rollout_id=rollout_id, task_id=task.task_id, group_id=group_id, finish_reason=finish,
             reward=float(score.reward), components=dict(score.components), messages=messages, unsent=unsent,

@@ -188,6 +188,11 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
     else:
         tasks = env.generate_tasks(cfg.tasks.count or 8, cfg.tasks.seed)
         _check_unique_ids(tasks, cfg.env.name)
+    eval_tasks = None
+    if follow is not None and cfg.follow.eval is not None:  # its environment and tasks checked before any engine
+        from ..follow.eval import held_out_tasks
+
+        eval_tasks, _ = held_out_tasks(cfg, tasks)
     config = cfg.model_dump(mode="json")
     model_path = str(startup.find_model(cfg.model))
     # the driver parses completions itself (same renderer code and tokenizer as the renderer actors);
@@ -252,6 +257,7 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
 
                 async def serve_batches() -> int:  # built on the loop that runs it (asyncio primitives)
                     return await FollowService(cfg, follow, driver, engines, renderer_actors, tasks, config=config,
+                                               eval_tasks=eval_tasks,
                                                renderer_info=rinfo).run()
 
                 asyncio.run(_drive(serve_batches(), signals))

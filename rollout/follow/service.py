@@ -55,6 +55,7 @@ from ..engines.lora import is_adapter_dir
 from ..envs.base import Task
 from ..handles import BoundedRenderer, EngineHandle, RendererHandle
 from ..loop import AllEnginesDied, RolloutDriver, RolloutOutcome, gather_settling
+from .eval import Evaluator, held_out_tasks
 from .metrics import MetricsSink
 from .status import StatusWriter
 
@@ -435,7 +436,8 @@ class FollowService:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, driver: RolloutDriver, engines: Sequence[EngineHandle],
                  renderers: Sequence[RendererHandle], tasks: Sequence[Task], *, config: dict[str, Any],
-                 renderer_info: dict[str, Any], log: Callable[[str], None] | None = None) -> None:
+                 renderer_info: dict[str, Any], log: Callable[[str], None] | None = None,
+                 eval_tasks: Sequence[Task] | None = None) -> None:
         self.cfg = cfg
         self.follow = cfg.follow
         self.run_dir = Path(run_dir)
@@ -468,6 +470,13 @@ class FollowService:
         self._waiting: tuple[int, int, float] | None = None  # (batch, version it needs, since) at admission
         self._stopping = False
         self.status_writer: StatusWriter | None = None
+        self.evaluator: Evaluator | None = None
+        if cfg.follow.eval is not None:  # held-out evaluation beside the batches (rollout/follow/eval.py)
+            self.evaluator = Evaluator(
+                cfg, self.run_dir, driver, eval_tasks if eval_tasks is not None else held_out_tasks(cfg, tasks)[0],
+                version=lambda: self.weights.version, changed=self.weights.changed, sealed=lambda: self.sealed,
+                close_outputs=lambda out: _close_outputs(self.renderers, out),
+                log_metrics=lambda line: self.metrics.log(line), log=self.log)
 
     @property
     def last_step(self) -> int | None:
@@ -507,10 +516,12 @@ class FollowService:
         await self.weights.poll_once()
         watcher = asyncio.create_task(self.weights.watch(), name="tito-follow-weights")
         admitter = asyncio.create_task(self._admit_all(), name="tito-follow-admission")
+        evaluator = asyncio.create_task(self.evaluator.run(), name="tito-follow-eval") if self.evaluator else None
+        side = [t for t in (watcher, evaluator) if t is not None]
         try:
             # until every batch is sealed; the first failure (a full disk, a broken bound) stops the service
             while not (admitter.done() and all(b.done() for b in self._batches)):
-                pending = {watcher, admitter, *(b for b in self._batches if not b.done())}
+                pending = {*side, admitter, *(b for b in self._batches if not b.done())}
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     if t.exception() is not None:
@@ -518,14 +529,26 @@ class FollowService:
                             before = self._batches.index(t) if t in self._batches else len(self._batches)
                             await self._seal_sampled(self._batches[:before])
                         raise t.exception()
+            if evaluator is not None:  # the version the last batch was sampled by is evaluated too, when due
+                await self._finish_eval(evaluator)
         finally:
             self._stopping = True
             self.status_writer.poke()
-            for t in (watcher, admitter, *self._batches):
+            for t in (*side, admitter, *self._batches):
                 t.cancel()
-            await asyncio.gather(watcher, admitter, *self._batches, return_exceptions=True)
+            await asyncio.gather(*side, admitter, *self._batches, return_exceptions=True)
             self.metrics.close()
         return self.sealed
+
+    async def _finish_eval(self, evaluator: asyncio.Task) -> None:
+        """Wait until the evaluator has no evaluation running nor due (or fails: raised)."""
+        if self.evaluator.running is not None or self.evaluator.due(self.weights.version):
+            self.log("every batch is sealed: the evaluation of the last version finishes first")
+        while (self.evaluator.running is not None or self.evaluator.due(self.weights.version)) \
+                and not evaluator.done():
+            await asyncio.sleep(0.1)
+        if evaluator.done() and evaluator.exception() is not None:
+            raise evaluator.exception()
 
     @staticmethod
     async def _seal_sampled(batches: list[asyncio.Task]) -> None:
