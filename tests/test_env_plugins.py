@@ -278,10 +278,34 @@ def test_reasoning_gym_run_scores_the_last_answer_tag_as_the_dataset_does_and_ro
         entry = task["metadata"]["reasoning_gym"]
         final = json.loads(r["messages"])[-1]
         assert final["role"] == "assistant"
-        rescored = reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])(
+        assert task["metadata"]["reasoning_gym_config"] == {"max_terms": 3}
+        rescored = reasoning_gym.create_dataset("basic_arithmetic", size=1, seed=0, max_terms=3).score_answer(
             extract_answer(final["content"]), entry)
         assert r["reward"] == rescored
         by_task[r["task_id"]] = r["reward"]
     assert [by_task[t.task_id] for t in tasks] == [1.0, 0.0, 0.0, 1.0]
     dataset = reasoning_gym.create_dataset("basic_arithmetic", size=4, seed=5, max_terms=3)
     assert [dataset.score_answer(extract_answer(x), e) for x, e in zip(texts, dataset)] == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_reasoning_gym_scores_under_the_datasets_own_config_also_from_the_row_alone():
+    """puzzle24 checks the numbers used against its configured range: under min_value 6, "1*2*3*4" is not a
+    solution (reasoning-gym gives 0.01), while a scorer with the default config (min_value 1) would give 1.0."""
+    import reasoning_gym
+
+    from rollout.envs.reasoning_gym import score_entry
+
+    options = {"dataset": "puzzle24", "min_value": 6, "max_value": 10}
+    env = make_env("reasoning_gym", **options)
+    tasks = env.generate_tasks(6, 3)
+    dataset = reasoning_gym.create_dataset("puzzle24", size=6, seed=3, min_value=6, max_value=10)
+    for task, entry in zip(tasks, dataset):
+        for answer in (entry["answer"], "1*2*3*4", "24", None):
+            content = "no tag" if answer is None else f"<answer>{answer}</answer>"
+            got = env.score(env.reset(task), [*task.messages, {"role": "assistant", "content": content}]).reward
+            assert got == dataset.score_answer(answer, entry)
+            # from the task column alone: the entry and the config it was made with
+            record = json.loads(task.record())["metadata"]
+            assert score_entry(answer, record["reasoning_gym"], record["reasoning_gym_config"]) == got
+    assert dataset.score_answer("1*2*3*4", dataset[0]) < 1.0 == reasoning_gym.get_score_answer_fn("puzzle24")(
+        "1*2*3*4", dataset[0])

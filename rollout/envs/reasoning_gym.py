@@ -9,8 +9,9 @@ Tasks are reasoning-gym's own: ``reasoning_gym.create_dataset(dataset, size=task
 (reasoning-gym's ``default`` system prompt unless ``system_prompt`` names another of ``SYSTEM_PROMPTS`` or gives
 the text; null: none) and the entry's question. The answer is the text inside the last ``<answer>...</answer>``
 of the final assistant content (``reasoning_gym.utils.extract_answer``), scored by the entry's own dataset's
-``score_answer`` (no answer: what it gives ``None``, usually 0). Each task's metadata holds the whole dataset entry
-(question, answer, metadata), so the shards' ``task`` column is enough to score a row again.
+``score_answer`` (no answer: what it gives ``None``, usually 0), the dataset built with the run's config (some score
+against it). Each task's metadata holds the whole dataset entry (question, answer, metadata) and that config, so
+the shards' ``task`` column is enough to score a row again (:func:`score_entry`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tito_renderers.types import ParsedResponse
 from .base import EnvError, Environment, EnvOptions, Message, RolloutState, Score, StepResult, Task, last_assistant
 
 ENTRY = "reasoning_gym"  # the key of Task.metadata that holds the dataset entry
+CONFIG = "reasoning_gym_config"  # ... and the config of the dataset that made it
 
 
 class DatasetWeight(EnvOptions):
@@ -57,14 +59,19 @@ def _reasoning_gym():
 
 @functools.cache
 def score_fn(dataset: str) -> Callable[[str | None, dict], float]:
-    """reasoning-gym's scorer of the entries of ``dataset`` (an instance with its default config: scoring
-    reads the entry, not the config)."""
+    """reasoning-gym's scorer of the entries of ``dataset`` under its default config."""
     return _reasoning_gym().get_score_answer_fn(dataset)
 
 
-def score_entry(answer: str | None, entry: dict[str, Any]) -> float:
-    """What reasoning-gym scores ``answer`` for ``entry`` (a row's ``task`` column holds the entry)."""
-    return float(score_fn(entry["metadata"]["source_dataset"])(answer, entry))
+def score_entry(answer: str | None, entry: dict[str, Any], config: dict[str, Any] | None = None) -> float:
+    """What reasoning-gym scores ``answer`` for ``entry`` (a row's ``task`` column holds both the entry and, in
+    ``metadata.reasoning_gym_config``, the config its dataset was made with: some datasets score against their
+    config, e.g. puzzle24's number range, time_intervals' date range)."""
+    name = entry["metadata"]["source_dataset"]
+    if not config:
+        return float(score_fn(name)(answer, entry))
+    scorer = _reasoning_gym().create_dataset(name, size=1, seed=0, **config)
+    return float(scorer.score_answer(answer, entry))
 
 
 class ReasoningGymEnv(Environment):
@@ -96,6 +103,7 @@ class ReasoningGymEnv(Environment):
             raise EnvError("environment 'reasoning_gym': with options.datasets each dataset's config goes in its "
                            f"own entry, not at the top ({', '.join(sorted(o.config))})")
         names = [o.dataset] if o.dataset is not None else list(o.datasets)
+        self._names = set(names)
         for name in names:
             if name not in rg.factory.DATASETS:
                 near = difflib.get_close_matches(name, rg.factory.DATASETS, n=3)
@@ -104,7 +112,9 @@ class ReasoningGymEnv(Environment):
         if o.system_prompt is not None and not o.system_prompt.strip():
             raise EnvError("environment 'reasoning_gym': options.system_prompt is blank (null for no system prompt)")
         self._system = rg.utils.SYSTEM_PROMPTS.get(o.system_prompt, o.system_prompt) if o.system_prompt else None
-        self._dataset(1, 0)  # a config reasoning-gym refuses is an error now, before any engine starts
+        # a config reasoning-gym refuses is an error now, before any engine starts; the instance scores answers,
+        # since some datasets score against their config (composite: each part under its own config)
+        self._scorer = self._dataset(1, 0)
 
     def _dataset(self, size: int, seed: int):
         rg = _reasoning_gym()
@@ -128,9 +138,11 @@ class ReasoningGymEnv(Environment):
             source = entry.get("metadata", {}).get("source_dataset", self.options.dataset)
             messages = ([{"role": "system", "content": self._system}] if self._system else []) + [
                 {"role": "user", "content": entry["question"]}]
+            config = dict(self.options.config) if self.options.dataset is not None else \
+                dict(self.options.datasets[source].config) if source in (self.options.datasets or {}) else {}
             tasks.append(Task(task_id=f"{source}-s{seed}-{i}", messages=messages,
                               answer=None if entry.get("answer") is None else str(entry["answer"]),
-                              metadata={ENTRY: entry}))
+                              metadata={ENTRY: entry, CONFIG: config}))
         return tasks
 
     def reset(self, task: Task) -> RolloutState:
@@ -153,5 +165,9 @@ class ReasoningGymEnv(Environment):
         last = last_assistant(trajectory)
         content = last.get("content") if last else None
         answer = extract_answer(content, tag_name="answer") if isinstance(content, str) else None
-        reward = score_entry(answer, state.task.metadata[ENTRY])
+        entry = state.task.metadata[ENTRY]
+        if entry["metadata"]["source_dataset"] in self._names:
+            reward = float(self._scorer.score_answer(answer, entry))
+        else:  # a task from a file, of a dataset this env was not configured with
+            reward = score_entry(answer, entry, state.task.metadata.get(CONFIG))
         return Score(reward=reward, components={"answered": float(answer is not None)})
