@@ -30,6 +30,7 @@ from rollout.envs import Environment, RolloutState, Score, StepResult, Task  # n
 from rollout.loop import EnvErrorRate  # noqa: E402
 
 from ._support import reference, reference_ids, tokenizer_dir  # noqa: E402
+from .test_run_failfast import ray_tmp  # noqa: E402, F401 - the fixture (a short RAY_TMPDIR, its session killed after)
 
 RAY = RayPlacement()
 QWEN = "qwen2.5-7b-instruct"
@@ -145,3 +146,32 @@ def test_a_fault_rate_above_the_bound_stops_the_run_naming_the_env_and_the_first
         "env.max_error_rate 0.3); the first: environment " in message, message
     assert any(EXPECTED[f] in message for f in ("reset_raises", "step_raises", "score_raises")), message
     assert caught.value.summary is not None  # what finished was written before it stopped
+
+
+def test_tito_run_follow_stops_with_one_line_and_exit_5_above_the_fault_rate(tmp_path, ray_tmp):  # noqa: F811
+    """The same bound in --follow: a pool whose every other task cannot even be reset stops the service with
+    one line (exit 5), sealed batches kept."""
+    import subprocess
+    import sys
+
+    from ._support import REPO, sigint_default
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(json.dumps({
+        "model": str(tokenizer_dir(QWEN)), "engine": {"backend": "replay", "num_cpus": 0, "options": {
+            "synthetic": True, "vocab_size": VOCAB, "max_model_len": 4096}},
+        "renderer": {"num_cpus": 0}, "env": {"name": f"{__name__}:FaultyEnv", "max_error_rate": 0.3,
+                                             "error_rate_after": 4},
+        "tasks": {"count": 2}, "group_size": 2, "max_turns": 1, "max_tokens_per_turn": 4, "max_tokens_per_rollout": 4,
+        "follow": {"groups_per_step": 1, "max_steps": 50, "max_off_policy_steps": 100, "poll_interval_s": 0.1},
+        "ray": {"num_cpus": 2}}))
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_TMPDIR=ray_tmp, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "actors.cli", "run", str(cfg), "--follow", str(run_dir)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300, preexec_fn=sigint_default)
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tito run --follow: environment '{__name__}:FaultyEnv': ") and "rollouts ended with " \
+        "env_error (above env.max_error_rate 0.3); the first: " in last and "reset() raised RuntimeError: reset " \
+        "broke: stopping; " in last and f"batches sealed in {run_dir}" in last, last
