@@ -175,3 +175,30 @@ def test_tito_run_follow_stops_with_one_line_and_exit_5_above_the_fault_rate(tmp
     assert last.startswith(f"tito run --follow: environment '{__name__}:FaultyEnv': ") and "rollouts ended with " \
         "env_error (above env.max_error_rate 0.3); the first: " in last and "reset() raised RuntimeError: reset " \
         "broke: stopping; " in last and f"batches sealed in {run_dir}" in last, last
+
+
+def test_the_guard_awaits_async_reset_and_score_and_bounds_them():
+    from rollout.envs.guard import EnvFault, GuardedEnv
+
+    class AsyncEnv(FaultyEnv):
+        name = "async_env"
+
+        async def reset(self, task):  # an env whose reset and score are coroutines (verifiers-style)
+            return RolloutState(task=task)
+
+        async def score(self, state, trajectory):
+            if state.task.metadata["fault"] == "score_blocks":
+                await asyncio.sleep(3600)
+            return Score(reward=0.5)
+
+    guard = GuardedEnv(AsyncEnv(), name="async_env", timeout_s=0.5, max_message_chars=100)
+    ok, hangs = AsyncEnv().generate_tasks(6, 0)[0], AsyncEnv().generate_tasks(6, 0)[5]
+
+    async def main():
+        state = await guard.reset(ok)
+        assert isinstance(state, RolloutState) and (await guard.score(state, [])).reward == 0.5
+        with pytest.raises(EnvFault, match=r"environment 'async_env': score\(\) did not return within env.timeout_s "
+                                           r"0.5"):
+            await guard.score(await guard.reset(hangs), [])
+
+    asyncio.run(main())

@@ -1,7 +1,8 @@
 """An environment's faults cost one rollout, never the run.
 
 :class:`GuardedEnv` is how the rollout loop calls an environment: each call bounded by ``env.timeout_s``
-(``reset`` and ``score`` run in a worker thread, so one that blocks is bounded too; ``step`` is a coroutine on
+(``reset`` and ``score`` run in a worker thread, so one that blocks is bounded too, or are awaited where they are
+``async def``; ``step`` is a coroutine on
 the loop, so a step that awaits for ever is bounded, one that blocks the loop's thread is not), and what
 comes back checked: a step's messages are a list of role/content messages an environment may add (``user``,
 ``tool``, ``system``; never ``assistant``) holding at most ``env.max_message_chars`` characters together, a
@@ -12,6 +13,7 @@ the loop ends that rollout with ``finish_reason: env_error`` and the fault as it
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +55,9 @@ class GuardedEnv:
             raise EnvFault(f"environment {self.name!r}: {what} raised {type(e).__name__}: {e}") from e
 
     def _threaded(self, fn, *args):
+        """``fn(*args)`` as an awaitable: a coroutine function's own coroutine, else the call in a worker thread."""
+        if inspect.iscoroutinefunction(fn):
+            return fn(*args)
         return asyncio.get_running_loop().run_in_executor(_POOL, fn, *args)
 
     async def reset(self, task: Task) -> RolloutState:
