@@ -94,7 +94,8 @@ def plugins(tmp_path, monkeypatch):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tito-test-envs\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(
-        "[tito.environments]\nconstant = tito_test_envs:ConstantEnv\nbroken = tito_test_broken:Env\n")
+        "[tito.environments]\nconstant = tito_test_envs:ConstantEnv\nbroken = tito_test_broken:Env\n"
+        "arithmetic = tito_test_envs:ConstantEnv\n")
     monkeypatch.syspath_prepend(str(site))
     yield site
     for name in ("tito_test_envs", "tito_test_broken"):
@@ -137,6 +138,10 @@ def test_tito_envs_lists_built_ins_and_entry_points_with_their_options(plugins, 
     assert "constant  (entry point tito_test_envs:ConstantEnv (tito-test-envs))" in out
     assert "    options.bonus: default 0.25 - the reward of every rollout" in out
     assert "broken  (entry point tito_test_broken:Env (tito-test-envs))\n    cannot load: " in out
+    # an entry point under a built-in's name is shadowed: listed with why, and the built-in is what the name runs
+    assert "arithmetic  (entry point tito_test_envs:ConstantEnv (tito-test-envs))\n    cannot load: the name " \
+        "'arithmetic' is the built-in ArithmeticEnv's; name it as 'tito_test_envs:ConstantEnv' instead" in out
+    assert resolve_env("arithmetic").__name__ == "ArithmeticEnv"
     assert "reasoning_gym  (built-in)" in out and "options.dataset: default None" in out
     assert tito(["envs", "constant", "--json"]) == 0
     (listed,) = json.loads(capsys.readouterr().out)

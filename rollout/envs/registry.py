@@ -100,7 +100,7 @@ def resolve_env(name: str) -> type[Environment]:
         return check_env_class(_import_class(name), repr(name))
     entry = _entry_points().get(name)
     if entry is None:
-        plugins = sorted(_entry_points())
+        plugins = sorted(set(_entry_points()) - set(ENVIRONMENTS))
         known = ", ".join(sorted(ENVIRONMENTS) + plugins)
         raise EnvError(f"unknown environment {name!r} (known: {known}; or 'package.module:Class'; "
                        "`tito envs` lists them with their options)")
@@ -156,7 +156,10 @@ def available_envs() -> list[dict[str, Any]]:
         describe(name, "built-in" if ENVIRONMENTS[name].__module__.startswith("rollout.envs.") else
                  ENVIRONMENTS[name].__module__, lambda name=name: ENVIRONMENTS[name])
     for name, entry in sorted(_entry_points().items()):
-        if name not in ENVIRONMENTS:
-            describe(name, f"entry point {entry.value} ({entry.dist.name if entry.dist else '?'})",
-                     lambda name=name: resolve_env(name))
+        origin = f"entry point {entry.value} ({entry.dist.name if entry.dist else '?'})"
+        if name in ENVIRONMENTS:  # the built-in wins: say so, or the plug-in's author never learns why it is unused
+            found.append({"name": name, "origin": origin, "error": f"the name {name!r} is the built-in "
+                          f"{ENVIRONMENTS[name].__qualname__}'s; name it as {entry.value!r} instead"})
+        else:
+            describe(name, origin, lambda name=name: resolve_env(name))
     return found
