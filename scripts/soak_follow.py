@@ -143,6 +143,8 @@ def main() -> int:
     base = load_file(str(Path(model) / "model.safetensors"))
     nudged = "model.norm.weight"
 
+    # a SIGTERM to this script unwinds it (the finally below stops the service's session) instead of orphaning it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     ray_dir = tempfile.mkdtemp(prefix="tito-soak-ray-")
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_dir)
     log = open(out / "service.log", "w")
