@@ -228,6 +228,15 @@ EMBEDDED_ENGINE = ["engine.backend=embedded", "engine.num_cpus=0.5",
                    "engine.options={threads: 1, max_batch: 8, max_model_len: 2048}"]
 
 
+def init_local_ray(tmp_path_factory, namespace: str) -> None:
+    """A local Ray of this test process: 2 CPUs, a 100 MiB object store, its session under the test's tmp dir
+    (so nothing of another run's is touched), no dashboard, workers' output kept off the test's."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+             namespace=namespace, _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+
+
 @contextlib.contextmanager
 def serving(tmp_path_factory, namespace: str, settings: list[str], engine_options: dict | None = None):
     """``tito serve`` on loopback in this process, over a local Ray of its own (a module fixture's body):
@@ -239,8 +248,7 @@ def serving(tmp_path_factory, namespace: str, settings: list[str], engine_option
     from rollout.config import ServeConfig, load_config
     from rollout.serve.launch import ServerThread, build_state
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             namespace=namespace, _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+    init_local_ray(tmp_path_factory, namespace)
     try:
         cfg = load_config(None, settings, schema=ServeConfig)
         if engine_options is not None:

@@ -29,7 +29,7 @@ from rollout.handles import LocalRenderer  # noqa: E402
 from rollout.loop import RolloutDriver  # noqa: E402
 from rollout.renderer_service import RendererService  # noqa: E402
 
-from ._support import tokenizer_dir  # noqa: E402
+from ._support import init_local_ray, tokenizer_dir  # noqa: E402
 
 VOCAB = 151665  # the Qwen2.5 fixture's vocabulary
 FAST = {"synthetic": True, "vocab_size": VOCAB, "max_model_len": 4096, "token_delay_s": 0.01}
@@ -37,8 +37,7 @@ FAST = {"synthetic": True, "vocab_size": VOCAB, "max_model_len": 4096, "token_de
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray(tmp_path_factory):
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             namespace="tito-test-heal", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+    init_local_ray(tmp_path_factory, "tito-test-heal")
     yield
     ray.shutdown()
 

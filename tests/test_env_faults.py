@@ -29,7 +29,7 @@ from rollout.data.shards import read_table  # noqa: E402
 from rollout.envs import Environment, RolloutState, Score, StepResult, Task  # noqa: E402
 from rollout.loop import EnvErrorRate  # noqa: E402
 
-from ._support import reference, reference_ids, tokenizer_dir  # noqa: E402
+from ._support import init_local_ray, reference, reference_ids, tokenizer_dir  # noqa: E402
 from .test_run_failfast import ray_tmp  # noqa: E402, F401 - the fixture (a short RAY_TMPDIR, its session killed after)
 
 RAY = RayPlacement()
@@ -96,8 +96,7 @@ class FaultyEnv(Environment):
 
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             namespace="tito-test-env-faults", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+    init_local_ray(tmp_path_factory, "tito-test-env-faults")
     yield
     ray.shutdown()
 

@@ -28,7 +28,7 @@ from rollout.data.shards import read_table  # noqa: E402
 from rollout.envs import EnvError, make_env  # noqa: E402
 from rollout.envs.registry import available_envs, resolve_env  # noqa: E402
 
-from ._support import REPO, reference, reference_ids, tokenizer_dir  # noqa: E402
+from ._support import REPO, init_local_ray, reference, reference_ids, tokenizer_dir  # noqa: E402
 
 RAY = RayPlacement()
 QWEN = "qwen2.5-7b-instruct"
@@ -174,8 +174,7 @@ def test_a_plugin_that_breaks_the_protocol_stops_tito_run_before_any_engine_star
 
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             namespace="tito-test-env-plugins", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+    init_local_ray(tmp_path_factory, "tito-test-env-plugins")
     yield
     ray.shutdown()
 

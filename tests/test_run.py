@@ -26,7 +26,7 @@ from rollout.handles import LocalRenderer  # noqa: E402
 from rollout.loop import RolloutDriver  # noqa: E402
 from rollout.renderer_service import RendererService  # noqa: E402
 
-from ._support import tokenizer_dir  # noqa: E402
+from ._support import init_local_ray, tokenizer_dir  # noqa: E402
 
 RAY = RayPlacement()
 
@@ -35,8 +35,7 @@ VOCAB = 151665  # the Qwen2.5 fixture's vocabulary
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray(tmp_path_factory):
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             namespace="tito-test-run", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+    init_local_ray(tmp_path_factory, "tito-test-run")
     yield
     ray.shutdown()
 

@@ -97,8 +97,9 @@ def test_a_ray_started_before_the_server_is_checked_with_the_configs_engine_cpus
 
     from rollout.startup import wait_for_cluster_cpus
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             namespace="tito-test-startup-cpus", _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+    from ._support import init_local_ray
+
+    init_local_ray(tmp_path_factory, "tito-test-startup-cpus")
     try:
         fits = load_config(None, ["engine.backend=embedded", "engine.count=2", "engine.num_cpus=0.5"])
         wait_for_cluster_cpus(fits, None, note=None)

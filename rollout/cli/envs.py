@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 from ..envs.base import EnvError
-from ..envs.registry import ENTRY_POINT_GROUP, available_envs, env_options, resolve_env
+from ..envs.registry import ENTRY_POINT_GROUP, available_envs, describe_env
 
 
 def _describe(env: dict) -> list[str]:
@@ -27,13 +27,7 @@ def _describe(env: dict) -> list[str]:
 
 def cmd_envs(args: argparse.Namespace) -> int:
     try:
-        if args.name:
-            cls = resolve_env(args.name)
-            envs = [{"name": args.name, "origin": f"{cls.__module__}.{cls.__qualname__}",
-                     "summary": ((cls.__doc__ or "").strip().split("\n\n")[0]).replace("\n", " "),
-                     "options": env_options(args.name)}]
-        else:
-            envs = available_envs()
+        envs = [describe_env(args.name)] if args.name else available_envs()
     except EnvError as e:
         print(f"tito envs: {e}", file=sys.stderr)
         return 1

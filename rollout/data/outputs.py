@@ -34,14 +34,15 @@ from .shards import (
     ShardCorrupt,
     ShardWriteError,
     corrupt_advice,
-    file_entry,
     output_shards,
     read_manifest,
     read_table,
+    shard_entries,
     verify_checksums,
     write_json_atomic,
     write_manifest,
     write_table_atomic,
+    written_checksums,
 )
 
 # config keys that change what a rollout is: a resume that differs in any of them would mix two
@@ -254,8 +255,8 @@ def write_outputs(out_dir: Path, config: dict[str, Any], run_info: dict[str, Any
     run killed before its manifest, an older version's) is hashed as found."""
     previous = read_manifest(out_dir) if (out_dir / MANIFEST).exists() else None
     known = {f["file"]: f.get(CHECKSUM) for f in (previous or {}).get("files", [])}
-    known.update({f"{DATA_DIR}/{f['file']}": f.get(CHECKSUM) for f in written or []})
-    entries = [file_entry(out_dir, p, known.get(p.relative_to(out_dir).as_posix())) for p in output_shards(out_dir)]
+    known.update(written_checksums(written or []))
+    entries = shard_entries(out_dir, known)
     sampling = config.get("sampling", {})
     meta = {"summary": SUMMARY, "model": config.get("model"), "renderer": run_info.get("renderer"),
             "template_sha256": run_info.get("template_sha256"), "group_size": config.get("group_size"),

@@ -394,6 +394,20 @@ def file_entry(directory: str | Path, path: Path, checksum: str | None = None) -
             CHECKSUM: checksum or file_checksum(path)}
 
 
+def written_checksums(files: list[dict]) -> dict[str, str | None]:
+    """Checksums a shard writer reported (its entries name files relative to ``data/``), by path in the output
+    directory: what :func:`shard_entries` reuses instead of hashing those files again."""
+    return {f"{DATA_DIR}/{f['file']}": f.get(CHECKSUM) for f in files}
+
+
+def shard_entries(directory: str | Path, checksums: dict[str, str | None]) -> list[dict]:
+    """A manifest entry per finished shard of ``directory`` (:func:`output_shards`), reusing the checksums
+    known by path (others are hashed)."""
+    directory = Path(directory)
+    return [file_entry(directory, p, checksums.get(p.relative_to(directory).as_posix()))
+            for p in output_shards(directory)]
+
+
 def verify_checksums(directory: str | Path, manifest: dict | None = None) -> tuple[int, list[str]]:
     """Check every shard on disk that the manifest has a checksum for: (files checked, one problem line
     per mismatch naming the file). Files the manifest does not list (a manifest of an older version

@@ -102,9 +102,10 @@ class ReasoningGymEnv(Environment):
         if o.datasets is not None and o.config:
             raise EnvError("environment 'reasoning_gym': with options.datasets each dataset's config goes in its "
                            f"own entry, not at the top ({', '.join(sorted(o.config))})")
-        names = [o.dataset] if o.dataset is not None else list(o.datasets)
-        self._names = set(names)
-        for name in names:
+        # each dataset's config, by name: what its tasks record and its scorer is built with
+        self._configs = {o.dataset: dict(o.config)} if o.dataset is not None else \
+            {name: dict(w.config) for name, w in o.datasets.items()}
+        for name in self._configs:
             if name not in rg.factory.DATASETS:
                 near = difflib.get_close_matches(name, rg.factory.DATASETS, n=3)
                 hint = f"; did you mean {', '.join(near)}?" if near else " (reasoning_gym.factory.DATASETS lists them)"
@@ -121,10 +122,10 @@ class ReasoningGymEnv(Environment):
         o = self.options
         try:
             if o.dataset is not None:
-                return rg.create_dataset(o.dataset, size=size, seed=seed, **o.config)
+                return rg.create_dataset(o.dataset, size=size, seed=seed, **self._configs[o.dataset])
             from reasoning_gym.composite import DatasetSpec
 
-            specs = [DatasetSpec(name, w.weight, dict(w.config)) for name, w in o.datasets.items()]
+            specs = [DatasetSpec(name, w.weight, self._configs[name]) for name, w in o.datasets.items()]
             return rg.create_dataset("composite", size=size, seed=seed, datasets=specs)
         except (TypeError, ValueError, AssertionError, KeyError) as e:
             what = o.dataset or ", ".join(o.datasets)
@@ -138,11 +139,9 @@ class ReasoningGymEnv(Environment):
             source = entry.get("metadata", {}).get("source_dataset", self.options.dataset)
             messages = ([{"role": "system", "content": self._system}] if self._system else []) + [
                 {"role": "user", "content": entry["question"]}]
-            config = dict(self.options.config) if self.options.dataset is not None else \
-                dict(self.options.datasets[source].config) if source in (self.options.datasets or {}) else {}
             tasks.append(Task(task_id=f"{source}-s{seed}-{i}", messages=messages,
                               answer=None if entry.get("answer") is None else str(entry["answer"]),
-                              metadata={ENTRY: entry, CONFIG: config}))
+                              metadata={ENTRY: entry, CONFIG: dict(self._configs.get(source, {}))}))
         return tasks
 
     def reset(self, task: Task) -> RolloutState:
@@ -166,7 +165,7 @@ class ReasoningGymEnv(Environment):
         content = last.get("content") if last else None
         answer = extract_answer(content, tag_name="answer") if isinstance(content, str) else None
         entry = state.task.metadata[ENTRY]
-        if entry["metadata"]["source_dataset"] in self._names:
+        if entry["metadata"]["source_dataset"] in self._configs:
             reward = float(self._scorer.score_answer(answer, entry))
         else:  # a task from a file, of a dataset this env was not configured with
             reward = score_entry(answer, entry, state.task.metadata.get(CONFIG))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 from .arithmetic import ArithmeticEnv, TryAgainEnv
@@ -138,28 +137,34 @@ def env_options(name: str) -> dict[str, dict[str, Any]]:
     }
 
 
+def describe_env(name: str, origin: str | None = None) -> dict[str, Any]:
+    """What ``tito envs`` shows of environment ``name``: where it comes from (default: its class), the first
+    paragraph of its docstring and its options. :class:`EnvError` when it does not resolve."""
+    cls = resolve_env(name)
+    doc = inspect.getdoc(cls) or ""
+    return {"name": name, "origin": origin or f"{cls.__module__}.{cls.__qualname__}",
+            "summary": doc.split("\n\n")[0].replace("\n", " "), "options": env_options(name)}
+
+
 def available_envs() -> list[dict[str, Any]]:
     """Every environment a name reaches without ``module:Class``: the built-ins and the entry points, each with
     where it comes from, its summary and options, or the error that stops it loading."""
     found: list[dict[str, Any]] = []
 
-    def describe(name: str, origin: str, load: Callable[[], type[Environment]]) -> None:
+    def describe(name: str, origin: str) -> None:
         try:
-            cls = load()
-            doc = inspect.getdoc(cls) or ""
-            found.append({"name": name, "origin": origin, "summary": doc.split("\n\n")[0].replace("\n", " "),
-                          "options": env_options(name)})
+            found.append(describe_env(name, origin))
         except EnvError as e:
             found.append({"name": name, "origin": origin, "error": str(e)})
 
     for name in sorted(ENVIRONMENTS):
-        describe(name, "built-in" if ENVIRONMENTS[name].__module__.startswith("rollout.envs.") else
-                 ENVIRONMENTS[name].__module__, lambda name=name: ENVIRONMENTS[name])
+        module = ENVIRONMENTS[name].__module__
+        describe(name, "built-in" if module.startswith("rollout.envs.") else module)
     for name, entry in sorted(_entry_points().items()):
         origin = f"entry point {entry.value} ({entry.dist.name if entry.dist else '?'})"
         if name in ENVIRONMENTS:  # the built-in wins: say so, or the plug-in's author never learns why it is unused
             found.append({"name": name, "origin": origin, "error": f"the name {name!r} is the built-in "
                           f"{ENVIRONMENTS[name].__qualname__}'s; name it as {entry.value!r} instead"})
         else:
-            describe(name, origin, lambda name=name: resolve_env(name))
+            describe(name, origin)
     return found

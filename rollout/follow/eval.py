@@ -26,14 +26,13 @@ from typing import Any
 
 from ..config import RunConfig
 from ..data.shards import (
-    CHECKSUM,
     DATA_DIR,
     SUMMARY,
-    file_entry,
-    output_shards,
     read_manifest,
+    shard_entries,
     write_json_atomic,
     write_manifest,
+    written_checksums,
 )
 from ..envs import load_tasks, make_env
 from ..envs.base import Task
@@ -96,19 +95,18 @@ class Evaluator:
         assert e is not None
         self.cfg, self.eval, self.run_dir, self.driver = cfg, e, Path(run_dir), driver
         self.tasks = list(tasks)
-        env_cfg = e.env or cfg.env
-        env = driver.env if e.env is None else make_env(env_cfg.name, **env_cfg.options)
         guarded = driver.guarded if e.env is None else GuardedEnv(
-            env, name=env_cfg.name, timeout_s=env_cfg.timeout_s, max_message_chars=env_cfg.max_message_chars)
+            make_env(e.env.name, **e.env.options), name=e.env.name, timeout_s=e.env.timeout_s,
+            max_message_chars=e.env.max_message_chars)
         self.plan = GroupPlan(guarded, e.group_size, e.sampling or cfg.sampling)
         self.version, self.changed, self.sealed = version, changed, sealed
         self.close_outputs, self.log_metrics, self.log = close_outputs, log_metrics, log
-        self.running: asyncio.Task | None = None
+        self.busy = False  # an evaluation is running
         self.done: dict[int, dict] = {}
 
     def _recover(self) -> None:
         for path in sorted((self.run_dir / EVALS).glob("step_*")):
-            manifest = read_manifest(path) if (path / "_manifest.json").exists() else None
+            manifest = read_manifest(path)
             if manifest is None:  # stopped before it sealed: nothing of it counts
                 shutil.rmtree(path, ignore_errors=True)
             elif isinstance(manifest.get("eval"), dict):
@@ -125,9 +123,11 @@ class Evaluator:
         while True:
             v = self.version()
             if self.due(v):
-                self.running = asyncio.current_task()
-                await self.evaluate(v)
-                self.running = None
+                self.busy = True
+                try:
+                    await self.evaluate(v)
+                finally:
+                    self.busy = False
             async with self.changed:
                 await self.changed.wait_for(lambda v=v: self.version() != v)
 
@@ -140,8 +140,7 @@ class Evaluator:
         outcomes = await gather_settling(
             self.driver.run_group(task, i, group_id=f"eval{v}/{task.task_id}", out_dir=str(out), plan=self.plan)
             for i, task in enumerate(self.tasks))
-        files = {f"{DATA_DIR}/{f['file']}": f.get(CHECKSUM) for f in await self.close_outputs(str(out))}
-        entries = [file_entry(out, p, files.get(p.relative_to(out).as_posix())) for p in output_shards(out)]
+        entries = shard_entries(out, written_checksums(await self.close_outputs(str(out))))
         result = {**figures(outcomes, v, self.eval.correct_at), "eval_s": round(time.time() - t0, 3)}
         write_json_atomic(out / SUMMARY, {"eval": result, "config": self.cfg.model_dump(mode="json")})
         write_manifest(out, entries, {"summary": SUMMARY, "eval": result})  # last: it seals the evaluation

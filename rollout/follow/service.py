@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import random
 import shutil
+import stat
 import statistics
 import sys
 import time
@@ -40,15 +41,15 @@ from ..data.outputs import rollout_totals
 from ..data.prime_rl import PrimeRLOptions
 from ..data.prime_rl import write_step as write_prime_rl_step
 from ..data.shards import (
-    CHECKSUM,
     DATA_DIR,
     SUMMARY,
     ShardWriteError,
-    file_entry,
     output_shards,
     read_table,
+    shard_entries,
     write_json_atomic,
     write_manifest,
+    written_checksums,
 )
 from ..engines.healer import is_actor_death
 from ..engines.lora import is_adapter_dir
@@ -412,8 +413,6 @@ class WeightFollower:
 
 def unreadable_entries(path: Path) -> list[str]:
     """The names in checkpoint ``path`` that are not regular files or directories (symlinks followed)."""
-    import stat
-
     bad = []
     for entry in sorted(path.iterdir()):
         try:
@@ -542,10 +541,12 @@ class FollowService:
 
     async def _finish_eval(self, evaluator: asyncio.Task) -> None:
         """Wait until the evaluator has no evaluation running nor due (or fails: raised)."""
-        if self.evaluator.running is not None or self.evaluator.due(self.weights.version):
+        def pending() -> bool:
+            return self.evaluator.busy or self.evaluator.due(self.weights.version)
+
+        if pending():
             self.log("every batch is sealed: the evaluation of the last version finishes first")
-        while (self.evaluator.running is not None or self.evaluator.due(self.weights.version)) \
-                and not evaluator.done():
+        while pending() and not evaluator.done():
             await asyncio.sleep(0.1)
         if evaluator.done() and evaluator.exception() is not None:
             raise evaluator.exception()
@@ -752,9 +753,8 @@ def seal_batch(run_dir: Path, k: int, *, files: list[dict], outcomes: list[Rollo
     older than ``bound`` (admission makes that impossible: the check is the safety net the bound promises)."""
     out_dir = layout.step_dir(run_dir, k)
     (out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
-    known = {f"{DATA_DIR}/{f['file']}": f.get(CHECKSUM) for f in files}
-    shards = output_shards(out_dir)
-    entries = [file_entry(out_dir, p, known.get(p.relative_to(out_dir).as_posix())) for p in shards]
+    entries = shard_entries(out_dir, written_checksums(files))
+    shards = [out_dir / e["file"] for e in entries]
     per_version = token_versions(out_dir)
     if per_version and min(per_version) < bound:
         raise RuntimeError(f"batch {k}: {sum(n for v, n in per_version.items() if v < bound)} sampled tokens are "
