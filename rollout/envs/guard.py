@@ -46,12 +46,17 @@ class GuardedEnv:
     async def _call(self, what: str, call) -> Any:
         try:
             return await asyncio.wait_for(call, self.timeout_s)
-        except TimeoutError:
-            raise EnvFault(f"environment {self.name!r}: {what} did not return within env.timeout_s "
-                           f"{self.timeout_s:g}") from None
-        except EnvFault:
-            raise
         except Exception as e:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # cancelled (the run is stopping) as the call failed: wait_for hands back the call's error
+                # instead, and a fault raised from a cancelled rollout is never retrieved (asyncio logs it)
+                raise asyncio.CancelledError from e
+            if isinstance(e, EnvFault):
+                raise
+            if isinstance(e, TimeoutError):
+                raise EnvFault(f"environment {self.name!r}: {what} did not return within env.timeout_s "
+                               f"{self.timeout_s:g}") from None
             raise EnvFault(f"environment {self.name!r}: {what} raised {type(e).__name__}: {e}") from e
 
     def _threaded(self, fn, *args):
