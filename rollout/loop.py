@@ -396,7 +396,9 @@ class RolloutDriver:
                        messages: list[dict], plan: GroupPlan) -> RolloutOutcome:
         cfg, env, s = self.cfg, plan.env, plan.sampling
         state = await env.reset(task)
-        tools = env.tools
+        if state.prompt is not None:  # the environment wrote the prompt itself (rollout/envs/base.py)
+            messages[:] = [dict(m) for m in state.prompt]
+        tools = state.tools if state.tools is not None else env.tools
         prompt = (await renderer.begin(rollout_id, messages, tools)).ids
         budget = cfg.max_tokens_per_rollout
         finish = "max_turns"

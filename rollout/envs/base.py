@@ -114,7 +114,9 @@ class RolloutState:
     """Per-rollout state returned by :meth:`Environment.reset`. Environments subclass it or use ``data``.
 
     ``turns`` counts the assistant turns stepped so far, ``tool_turns`` those that called at least one tool,
-    ``done`` is set when a step returned ``done=True``.
+    ``done`` is set when a step returned ``done=True``. An environment that builds the conversation itself (an
+    adapter whose harness writes the prompt) sets ``prompt`` in ``reset``: the loop renders it instead of
+    ``task.messages``; ``tools`` likewise replaces :attr:`Environment.tools` for this rollout.
     """
 
     task: Task
@@ -122,6 +124,8 @@ class RolloutState:
     tool_turns: int = 0
     done: bool = False
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    prompt: list[Message] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 class EnvOptions(pydantic.BaseModel):

@@ -24,6 +24,7 @@ from tito_renderers.types import ParsedResponse
 from .base import Environment, Message, RolloutState, Score, StepResult, Task
 
 ENV_ROLES = ("user", "tool", "system")
+PROMPT_ROLES = ("system", "developer", "user", "assistant", "tool")  # a prompt an environment wrote itself
 # threads for reset/score: a hung call keeps its thread, so there are more than the loop's usual few
 _POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="tito-env")
 
@@ -66,7 +67,14 @@ class GuardedEnv:
         return asyncio.get_running_loop().run_in_executor(_POOL, fn, *args)
 
     async def reset(self, task: Task) -> RolloutState:
-        return await self._call("reset()", self._threaded(self.env.reset, task))
+        state = await self._call("reset()", self._threaded(self.env.reset, task))
+        if not isinstance(state, RolloutState):
+            raise EnvFault(f"environment {self.name!r}: reset() returned {type(state).__name__}, not a RolloutState")
+        if state.prompt is not None:
+            problem = message_problem(state.prompt, self.max_message_chars, PROMPT_ROLES, "prompt")
+            if problem:
+                raise EnvFault(f"environment {self.name!r}: reset() set a malformed prompt: {problem}")
+        return state
 
     async def step(self, state: RolloutState, parsed: ParsedResponse) -> StepResult:
         result = await self._call("step()", self.env.step(state, parsed))
@@ -88,27 +96,28 @@ class GuardedEnv:
         return score
 
 
-def message_problem(messages: Any, max_chars: int) -> str | None:
-    """What is wrong with messages an environment returned (None: nothing)."""
+def message_problem(messages: Any, max_chars: int, roles: Sequence[str] = ENV_ROLES,
+                    what: str = "new_messages") -> str | None:
+    """What is wrong with messages an environment returned (None: nothing): ``roles`` are those it may write."""
     if not isinstance(messages, list):
-        return f"new_messages is a {type(messages).__name__}, not a list"
+        return f"{what} is a {type(messages).__name__}, not a list"
     total = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            return f"new_messages[{i}] is a {type(m).__name__}, not a message dict"
+            return f"{what}[{i}] is a {type(m).__name__}, not a message dict"
         role = m.get("role")
-        if role not in ENV_ROLES:
-            return f"new_messages[{i}] has role {role!r} (an environment adds {', '.join(ENV_ROLES)})"
+        if role not in roles:
+            return f"{what}[{i}] has role {role!r} (an environment adds {', '.join(roles)})"
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: their text counts
             if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content):
-                return f"new_messages[{i}].content is a list that is not text parts"
+                return f"{what}[{i}].content is a list that is not text parts"
             total += sum(len(p.get("text", "")) for p in content)
         elif isinstance(content, str):
             total += len(content)
         else:
-            return f"new_messages[{i}].content is a {type(content).__name__}, not a string"
+            return f"{what}[{i}].content is a {type(content).__name__}, not a string"
         if total > max_chars:
-            return (f"new_messages hold more than env.max_message_chars {max_chars} characters (at "
-                    f"new_messages[{i}]: {total})")
+            return (f"{what} hold more than env.max_message_chars {max_chars} characters (at "
+                    f"{what}[{i}]: {total})")
     return None

@@ -2,7 +2,7 @@
 
 A name is one of three things, tried in this order:
 
-- a built-in (``arithmetic``, ``try_again``, ``calculator``, ``python``, ``reasoning_gym``) or a class passed to :func:`register_env`;
+- a built-in (``arithmetic``, ``try_again``, ``calculator``, ``python``, ``reasoning_gym``, ``verifiers``) or a class passed to :func:`register_env`;
 - ``"package.module:Class"``: that class, imported (the package must be importable by the driver);
 - the name of an entry point in the ``tito.environments`` group of an installed distribution
   (``[project.entry-points."tito.environments"] my_env = "my_pkg.envs:MyEnv"`` in its pyproject.toml).
@@ -24,6 +24,7 @@ from .base import EnvError, Environment, EnvOptions
 from .calculator import CalculatorEnv
 from .python_tool import PythonEnv
 from .reasoning_gym import ReasoningGymEnv
+from .verifiers_adapter import VerifiersEnv
 
 ENTRY_POINT_GROUP = "tito.environments"
 ENVIRONMENTS: dict[str, type[Environment]] = {}
@@ -41,7 +42,7 @@ def register_env(cls: type[Environment]) -> type[Environment]:
     return cls
 
 
-for _cls in (ArithmeticEnv, TryAgainEnv, CalculatorEnv, PythonEnv, ReasoningGymEnv):
+for _cls in (ArithmeticEnv, TryAgainEnv, CalculatorEnv, PythonEnv, ReasoningGymEnv, VerifiersEnv):
     register_env(_cls)
 
 
