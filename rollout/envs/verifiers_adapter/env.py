@@ -195,11 +195,11 @@ class VerifiersEnv(Environment):
             raise EnvError(f"environment 'verifiers': loading {self._taskset()!r} took more than start_timeout_s "
                            f"{self.options.start_timeout_s:g}") from None
         replies = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        if "No module named 'verifiers'" in done.stderr + "".join(r.get("error", "") for r in replies):
+            raise EnvError(f"environment 'verifiers': {self.python} cannot import verifiers; install "
+                           "verifiers 0.4 there or set env.options.python to an interpreter that has it")
         if not replies:
             tail = " | ".join(done.stderr.strip().splitlines()[-8:])[-1500:]
-            if "No module named 'verifiers'" in done.stderr:
-                raise EnvError(f"environment 'verifiers': {self.python} cannot import verifiers; install "
-                               "verifiers 0.4 there or set env.options.python to an interpreter that has it")
             raise EnvError(f"environment 'verifiers': the worker ({self.python}) exited with status "
                            f"{done.returncode}: {tail}")
         for reply in replies:
