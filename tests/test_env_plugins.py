@@ -113,7 +113,7 @@ def test_a_class_by_module_path_and_by_entry_point_is_the_same_environment(plugi
 
 @pytest.mark.parametrize("name, message", [
     ("no_such_env", r"unknown environment 'no_such_env' \(known: arithmetic, calculator, python, reasoning_gym, "
-                    r"try_again, broken, constant; or 'package.module:Class'"),
+                    r"try_again, verifiers, broken, constant; or 'package.module:Class'"),
     ("tito_test_nothing:Env", r"importing 'tito_test_nothing' failed: ModuleNotFoundError"),
     ("tito_test_broken:Env", r"importing 'tito_test_broken' failed: RuntimeError: the plug-in cannot start here"),
     ("broken", r"environment 'broken' \(entry point 'tito_test_broken:Env' in tito.environments\): loading it failed: "

@@ -353,7 +353,7 @@ def test_python_env_flow() -> None:
 
 
 def test_make_env_errors_name_the_problem() -> None:
-    assert set(ENVIRONMENTS) == {"arithmetic", "try_again", "calculator", "python", "reasoning_gym"}
+    assert set(ENVIRONMENTS) == {"arithmetic", "try_again", "calculator", "python", "reasoning_gym", "verifiers"}
     with pytest.raises(EnvError, match=r"unknown environment 'nope' \(known: arithmetic, calculator"):
         make_env("nope")
     with pytest.raises(EnvError, match=r"unknown option\(s\) 'timeout' \(options: cpu_s"):
@@ -470,7 +470,8 @@ def test_bad_parquet_files_and_rows(tmp_path: Path) -> None:
 
 
 def test_generators_are_deterministic_and_correct() -> None:
-    for name in sorted(set(ENVIRONMENTS) - {"reasoning_gym"}):  # reasoning-gym's: tests/test_env_plugins.py
+    # reasoning-gym's tasks: tests/test_env_plugins.py; a verifiers taskset's: tests/test_env_verifiers.py
+    for name in sorted(set(ENVIRONMENTS) - {"reasoning_gym", "verifiers"}):
         first = generate_tasks(name, 20, seed=3)
         assert first == generate_tasks(name, 20, seed=3)
         assert first != generate_tasks(name, 20, seed=4)
