@@ -20,6 +20,10 @@ from rollout.envs import (
     ENVIRONMENTS,
     CalculatorError,
     EnvError,
+    Environment,
+    RolloutState,
+    Score,
+    StepResult,
     Task,
     TaskFileError,
     call_ids,
@@ -496,3 +500,50 @@ def test_generators_are_deterministic_and_correct() -> None:
         generate_tasks("arithmetic", -1)
     with pytest.raises(EnvError, match="unknown option"):
         generate_tasks("arithmetic", 1, levels=3)
+
+
+# -- an environment that writes its own prompt (the verifiers adapter's reset) --------------------------------
+
+
+class _PromptEnv(Environment):
+    name = "prompt_writer"
+
+    def __init__(self, prompt: Any, returns_state: bool = True) -> None:
+        super().__init__()
+        self.prompt, self.returns_state = prompt, returns_state
+
+    async def reset(self, task: Task) -> RolloutState:
+        if not self.returns_state:
+            return {"task": task}  # type: ignore[return-value]
+        state = RolloutState(task=task)
+        state.prompt = self.prompt
+        state.tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        return state
+
+    async def step(self, state, parsed):
+        return StepResult(new_messages=[], done=True)
+
+    def score(self, state, trajectory):
+        return Score(reward=0.0)
+
+    def generate_tasks(self, n, seed):
+        return []
+
+
+def test_the_guard_checks_a_prompt_an_environment_writes_in_reset() -> None:
+    from rollout.envs.guard import EnvFault, GuardedEnv
+
+    task = Task(task_id="t", messages=[{"role": "user", "content": "from the task"}])
+
+    def reset(env):
+        return asyncio.run(GuardedEnv(env, name=env.name, timeout_s=5, max_message_chars=100).reset(task))
+
+    prompt = [{"role": "system", "content": "s"}, {"role": "user", "content": "from the env"}]
+    state = reset(_PromptEnv(prompt))
+    assert state.prompt == prompt and state.tools[0]["function"]["name"] == "f"
+    with pytest.raises(EnvFault, match=r"reset\(\) set a malformed prompt: prompt\[1\] has role 'robot'"):
+        reset(_PromptEnv([prompt[0], {"role": "robot", "content": "x"}]))
+    with pytest.raises(EnvFault, match=r"prompt hold more than env.max_message_chars 100"):
+        reset(_PromptEnv([{"role": "user", "content": "x" * 101}]))
+    with pytest.raises(EnvFault, match=r"reset\(\) returned dict, not a RolloutState"):
+        reset(_PromptEnv(prompt, returns_state=False))
