@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -142,6 +143,20 @@ def test_verifiers_options_it_cannot_run_are_one_error_when_the_env_is_built(vf_
         make_env("verifiers", **{**_options(vf_python), "config": {"taskset": {"id": "no-such-taskset"}}})
     with pytest.raises(EnvError, match="is not a file"):
         make_env("verifiers", **_options("/no/such/python"))
+
+
+def test_tito_run_with_a_taskset_verifiers_cannot_load_stops_in_one_line_before_ray(vf_python, tmp_path):
+    options = json.dumps({**_options(vf_python), "config": {"taskset": {"id": "no-such-taskset"}}})
+    (tmp_path / "config.yaml").write_text(f"model: {smollm2_gguf()}\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_TMPDIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "actors.cli", "run", str(tmp_path / "config.yaml"), "--set",
+                           "env.name=verifiers", "--set", f"env.options={options}", "--set",
+                           f"output.dir={tmp_path / 'out'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert "environment 'verifiers': loading the env ('no-such-taskset') failed" in line, line
+    assert not list(tmp_path.glob("session_*")) and not (tmp_path / "out").exists()  # nothing started, nothing left
 
 
 def test_a_harness_that_rewrites_the_conversation_is_refused_with_the_message_named():
