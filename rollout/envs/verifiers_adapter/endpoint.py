@@ -46,21 +46,18 @@ class Reply:
 
     message: dict[str, Any]
     finish_reason: str
-    completion_tokens: int = 0
 
 
-class _Server:
-    """uvicorn without its signal handlers: SIGINT and SIGTERM stay the run's own."""
+def _quiet_server(app: Any) -> Any:
+    """uvicorn on an ephemeral loopback port, without its signal handlers: SIGINT and SIGTERM stay the run's."""
+    import uvicorn  # here, not at import: the registry imports this module in every tito process
 
-    def __init__(self, app: Any) -> None:
-        import uvicorn
+    class Quiet(uvicorn.Server):
+        def capture_signals(self):  # noqa: D102 - the run owns signals
+            return contextlib.nullcontext()
 
-        class Quiet(uvicorn.Server):
-            def capture_signals(self):  # noqa: D102 - the run owns signals
-                return contextlib.nullcontext()
-
-        self.server = Quiet(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                                           access_log=False))
+    return Quiet(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                access_log=False))
 
 
 class Endpoint:
@@ -68,28 +65,21 @@ class Endpoint:
         self.secret = secrets.token_urlsafe(24)
         self.episodes: dict[str, asyncio.Queue[ModelCall]] = {}
         self.port: int | None = None
-        self._serving: asyncio.Task | None = None
-        self._server: _Server | None = None
+        self._serving: asyncio.Task | None = None  # held: a task only the loop references can be collected
         self.app = Starlette(routes=[Route("/episodes/{key}/v1/chat/completions", self._chat, methods=["POST"])])
 
     async def start(self) -> None:
-        self._server = _Server(self.app)
-        self._serving = asyncio.create_task(self._server.server.serve(), name="tito-verifiers-endpoint")
+        server = _quiet_server(self.app)
+        self._serving = asyncio.create_task(server.serve(), name="tito-verifiers-endpoint")
         deadline = time.monotonic() + _SERVE_START_S
-        while not self._server.server.started:
+        while not server.started:
             if self._serving.done():
                 self._serving.result()  # its error
                 raise RuntimeError("the verifiers endpoint stopped while starting")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the verifiers endpoint did not start within {_SERVE_START_S:g} s")
             await asyncio.sleep(0.01)
-        self.port = self._server.server.servers[0].sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self._server is not None and self._serving is not None:
-            self._server.server.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._serving, 5)
+        self.port = server.servers[0].sockets[0].getsockname()[1]
 
     def base_url(self, key: str) -> str:
         return f"http://127.0.0.1:{self.port}/episodes/{key}/v1"
@@ -127,15 +117,14 @@ def _error(status: int, message: str) -> JSONResponse:
                         status_code=status)
 
 
-def _usage(reply: Reply) -> dict[str, int]:
-    # prompt tokens are not counted here: tito's loop owns the budget (max_tokens_per_rollout)
-    return {"prompt_tokens": 0, "completion_tokens": reply.completion_tokens, "total_tokens": reply.completion_tokens}
+# no tokens are counted here: tito's loop owns the budgets (max_tokens_per_turn, max_tokens_per_rollout)
+_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
 
 def _completion(reply: Reply, model: str) -> dict[str, Any]:
     return {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "message": reply.message, "finish_reason": reply.finish_reason,
-                                         "logprobs": None}], "usage": _usage(reply)}
+                                         "logprobs": None}], "usage": _USAGE}
 
 
 async def _chunks(reply: Reply, model: str, include_usage: bool):
@@ -149,7 +138,7 @@ async def _chunks(reply: Reply, model: str, include_usage: bool):
     events = [{**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
               {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": reply.finish_reason}]}]
     if include_usage:
-        events.append({**base, "choices": [], "usage": _usage(reply)})
+        events.append({**base, "choices": [], "usage": _USAGE})
     for event in events:
         yield f"data: {json.dumps(event)}\n\n".encode()
     yield b"data: [DONE]\n\n"

@@ -214,11 +214,11 @@ class VerifiersEnv(Environment):
     async def _running_worker(self) -> tuple[_Worker, Endpoint]:
         loop = asyncio.get_running_loop()
         async with self._starting.setdefault(loop, asyncio.Lock()):
-            if self._worker is None or not self._worker.alive or self._loop is not loop:
-                if self._worker is not None and self._loop is loop:
-                    self._worker.close()
-                self._endpoint = Endpoint()
-                await self._endpoint.start()
+            if self._endpoint is None or self._loop is not loop:  # one endpoint per event loop, for every worker
+                endpoint = Endpoint()
+                await endpoint.start()
+                self._endpoint, self._loop, self._worker = endpoint, loop, None
+            if self._worker is None or not self._worker.alive:
                 process = await asyncio.create_subprocess_exec(
                     self.python, "-u", str(WORKER), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE, env=self._worker_env(self._endpoint.secret), limit=1 << 26)
@@ -228,7 +228,7 @@ class VerifiersEnv(Environment):
                 if "error" in reply:
                     worker.close()
                     raise EnvError(f"environment 'verifiers': loading {self._taskset()!r} failed: {reply['error']}")
-                self._worker, self._loop = worker, loop
+                self._worker = worker
             return self._worker, self._endpoint
 
     # -- the protocol ---------------------------------------------------------------------------------
@@ -327,7 +327,14 @@ def _tito_message(message: dict[str, Any]) -> Message:
 
 
 def _wire(message: Message) -> dict[str, Any]:
-    return {k: v for k, v in message.items() if k in ("role", "content", "reasoning_content", "tool_calls")}
+    """A loop's assistant message as the OpenAI wire has it: its tool-call arguments are JSON strings, where the
+    loop keeps them as its template wants them (``history_arguments``: a dict for most)."""
+    out = {k: v for k, v in message.items() if k in ("role", "content", "reasoning_content", "tool_calls")}
+    if out.get("tool_calls"):
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": a if isinstance(
+            a := c["function"].get("arguments"), str) else json.dumps(a, ensure_ascii=False)}}
+            for c in out["tool_calls"]]
+    return out
 
 
 def _past(shown: list[Message], sent: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ with (everything else verifiers or its harnesses print goes to stderr). Requests
   infinite one read in order from position ``seed * n``). Reply ``{"tasks": [{"position", "name", "data"}]}``.
 - ``{"op": "run", "n", "seed", "position", "base_url", "api_key_var", "model"}``: one episode of that task, its
   agents' model calls sent to ``base_url`` (tito's endpoint for this rollout). Reply when it ends:
-  ``{"episode": {"ok", "reward", "rewards", "metrics", "errors", "stop", "turns"}}``.
+  ``{"episode": {"ok", "reward", "rewards", "metrics", "errors", "stop", "calls"}}``.
 - ``{"op": "cancel", "target": id}``: cancel the episode of that run request (its reply is ``cancelled``).
 
 A failed request replies ``{"id", "error": "..."}``. At end of stdin (tito closed it, or died) it leaves
