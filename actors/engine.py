@@ -60,6 +60,7 @@ from rollout.engines.protocol import (
     load_weights,
 )
 from rollout.engines.streaming import stream_of
+from rollout.engines.weight_transfer import WIRE_OPS
 
 from .handles import RayEngine
 
@@ -265,6 +266,13 @@ class EngineActorImpl:
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def unload_lora_adapter(self, name: str) -> None:
         await self._admin("unload_lora_adapter", name)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def weight_transfer(self, op: str, *args: Any) -> Any:
+        """A weight-transfer call on the backend (rollout/engines/weight_transfer.py: ``op`` in WIRE_OPS)."""
+        if op not in WIRE_OPS:
+            raise ValueError(f"unknown weight-transfer operation {op!r}")
+        return await self._admin(op, *args)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def scheduler_stats(self) -> SchedulerStats | None:

@@ -109,6 +109,9 @@ class RayEngine:
     async def scheduler_stats(self) -> SchedulerStats | None:
         return await self.actor.scheduler_stats.remote()
 
+    async def weight_transfer(self, op: str, *args: Any) -> Any:
+        return await self.actor.weight_transfer.remote(op, *args)
+
     # -- restarts (rollout/engines/healer.py's Restartable) --------------------------------------------------
 
     def kill(self) -> None:

@@ -83,6 +83,12 @@ class EngineConfig(_Strict):
         "flight, is hung: it is killed and restarted"))
     restart_timeout_s: float = Field(900.0, gt=0, allow_inf_nan=False, description=(
         "seconds a restarted engine may take to come back (build its backend, load the current weights)"))
+    weight_transfer: Literal["none", "gloo", "nccl"] = Field("none", description=(
+        "weights sent by the trainer over vLLM's weight-transfer routes (/init_weight_transfer_engine ...): gloo "
+        "(CPU, the embedded engine), nccl (vLLM's own engine, CUDA GPUs); none: nothing listens"))
+    weight_transfer_timeout_s: float = Field(120.0, gt=0, allow_inf_nan=False, description=(
+        "the longest any weight-transfer wait on the trainer may take (joining its group, each tensor): past it the "
+        "call fails and the engines keep the weights they served"))
 
     @property
     def backend_kwargs(self) -> dict[str, Any]:

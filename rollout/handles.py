@@ -21,6 +21,7 @@ from .engines.protocol import (
     Unsupported,
     load_weights,
 )
+from .engines.weight_transfer import WIRE_OPS
 from .turns import Finished, NextPrompt, RolloutMeta, SampledTurn
 
 if TYPE_CHECKING:
@@ -94,6 +95,10 @@ class EngineHandle(Protocol):
         ...
 
     async def unload_lora_adapter(self, name: str) -> None: ...
+
+    async def weight_transfer(self, op: str, *args: Any) -> Any:
+        """A weight-transfer call (rollout/engines/weight_transfer.py WIRE_OPS); Unsupported where the backend has none."""
+        ...
 
     async def scheduler_stats(self) -> SchedulerStats | None:
         """Running and waiting sequences and KV use (vLLM's ``vllm:`` gauges); None when the backend cannot tell."""
@@ -233,6 +238,12 @@ class LocalEngine:
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._admin("unload_lora_adapter", name)
+
+    async def weight_transfer(self, op: str, *args: Any) -> Any:
+        """One weight-transfer call on the backend (rollout/engines/weight_transfer.py: ``op`` in WIRE_OPS)."""
+        if op not in WIRE_OPS:
+            raise ValueError(f"unknown weight-transfer operation {op!r}")
+        return await self._admin(op, *args)
 
     async def scheduler_stats(self) -> SchedulerStats | None:
         if not callable(getattr(self.backend, "scheduler_stats", None)):

@@ -104,6 +104,26 @@ def check_engine_config(engine: EngineConfig) -> None:
     for backend, options in engine.backend_options.items():
         check_engine_options(backend, options, key=f"engine.backend_options.{backend}")
     check_engine_options(engine.backend, engine.options)
+    check_weight_transfer(engine)
+
+
+def check_weight_transfer(engine: EngineConfig) -> None:
+    """``engine.weight_transfer`` against the backend, before anything starts: one line saying why it cannot be."""
+    choice = engine.weight_transfer
+    if choice == "none":
+        return
+    if engine.backend not in ("embedded", "vllm"):
+        raise ValueError(f"engine.weight_transfer: {choice}: the {engine.backend} engine receives no weights over the "
+                         "wire (the embedded and vllm engines do)")
+    if engine.backend == "embedded" and choice == "nccl":
+        raise ValueError("engine.weight_transfer: nccl is vLLM's own NCCL engine and needs engine.backend: vllm on CUDA "
+                         "GPUs; the embedded engine receives over gloo (engine.weight_transfer: gloo)")
+    if engine.backend == "vllm":
+        from .engines.vllm_backend import vllm_platform
+
+        if choice == "nccl" and vllm_platform() == "cpu":
+            raise ValueError("engine.weight_transfer: nccl needs CUDA GPUs and this vLLM is its CPU build: NCCL "
+                             "moves tensors between GPUs only; use engine.weight_transfer: gloo on CPU")
 
 
 def check_engine_options(backend: str, options: Mapping[str, Any], key: str = "engine.options") -> None:
@@ -275,6 +295,8 @@ def engine_specs(engine: EngineConfig, model_path: str, num_cpus: float | None =
 
         # vLLM loads a safetensors directory: a GGUF (the default model) is converted once into the cache
         options.setdefault("model", str(model_dir(model_path)))
+    if engine.weight_transfer != "none":
+        options.update(weight_transfer=engine.weight_transfer, weight_transfer_timeout_s=engine.weight_transfer_timeout_s)
     return [EngineSpec(kind=engine.backend, kwargs=options, max_concurrency=engine.max_concurrency,
                        replicas=engine.count, num_cpus=engine.num_cpus if num_cpus is None else num_cpus,
                        num_gpus=engine_num_gpus(engine), placement=engine.placement,

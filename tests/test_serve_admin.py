@@ -138,8 +138,11 @@ def test_what_cannot_be_real_here_is_501_naming_why(server):
     for path, body, needle in [
         ("/init_broadcaster", {"host": "127.0.0.1", "port": 29500, "rank_offset": 0, "inference_world_size": 2,
                                "timeout": 60}, "NCCL"),
-        ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1"}}, "NCCL"),
-        ("/update_weights", {"update_info": {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}}, "NCCL"),
+        # engine.weight_transfer is none here: nothing listens, and the answer names the setting
+        ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1"}}, "engine.weight_transfer"),
+        ("/update_weights", {"update_info": {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}},
+         "engine.weight_transfer"),
+        ("/start_weight_update", {}, "engine.weight_transfer"),
         ("/reset_prefix_cache?reset_external=true", None, "external"),
     ]:
         status, r = call(server, "POST", path, body)

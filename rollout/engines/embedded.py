@@ -65,9 +65,18 @@ from .protocol import (
     SchedulerStats,
     Timings,
     TokenLogprobs,
+    Unsupported,
     validate_request,
 )
 from .streaming import Listener, StreamDelta, stream_with_listener
+from .weight_transfer import (
+    DEFAULT_TIMEOUT_S,
+    GlooReceiver,
+    WeightTransfer,
+    parse_init_info,
+    parse_update_info,
+    tensor_checksums,
+)
 
 
 def _cache_arg(model: torch.nn.Module) -> str:
@@ -136,9 +145,14 @@ class EmbeddedEngine:
     def __init__(self, model: str | os.PathLike = "smollm2-135m", *, device: str | None = None,
                  max_batch: int = 32, kv_cache_bytes: int = 1 << 30, prefill_tokens_per_step: int = 2048,
                  max_model_len: int | None = None, threads: int | None = None,
-                 weight_version: int = 0, fetch: bool = True, max_loras: int = 8, max_lora_rank: int = 64) -> None:
+                 weight_version: int = 0, fetch: bool = True, max_loras: int = 8, max_lora_rank: int = 64,
+                 weight_transfer: WeightTransfer = "none", weight_transfer_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         from ..models import load_causal_lm
 
+        if weight_transfer not in ("none", "gloo"):
+            raise EngineError(f"engine.weight_transfer: {weight_transfer!r} is not for the embedded engine: it receives "
+                              "weights over gloo (or none); nccl is vLLM's own engine on CUDA GPUs (engine.backend: "
+                              "vllm)", "weight_transfer")
         if threads is not None:
             torch.set_num_threads(threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -164,8 +178,9 @@ class EmbeddedEngine:
         self._running: list[_Seq] = []  # row i of the batch KV is _running[i]
         self._by_id: dict[str, _Req] = {}
         self._aborts: set[str] = set()
-        # (path, version, keep_running, done, same: the served weights already, nothing to load)
-        self._updates: list[tuple[str, int, bool, asyncio.Future, bool]] = []
+        # (source, version, keep_running, done, same: the served weights already, nothing to load); source: a
+        # checkpoint directory, tensors received over the wire, or None (a relabel: same)
+        self._updates: list[tuple[str | dict | None, int, bool, asyncio.Future, bool]] = []
         self._wake: asyncio.Event | None = None
         self._scheduler: asyncio.Task | None = None
         self.stats = {"steps": 0, "prefill_tokens": 0, "cached_tokens": 0, "decode_tokens": 0, "reloads_skipped": 0}
@@ -175,6 +190,10 @@ class EmbeddedEngine:
         self._hooked: set[str] = set()
         self._loras: dict[str, tuple[int, int, LoraAdapter]] = {}  # name -> (slot, version, adapter)
         self._slot_version: dict[int, int] = {}
+        # weights over the wire (rollout/engines/weight_transfer.py): the trainer's group, staged tensors
+        self.weight_transfer = weight_transfer
+        self._wire = GlooReceiver(self._validate.expected, weight_transfer_timeout_s) if weight_transfer == "gloo" else None
+        self._wire_weights = False  # the served weights came over the wire: no file holds them
 
     # -- protocol ---------------------------------------------------------------------------------------
     def info(self) -> EngineInfo:
@@ -291,6 +310,76 @@ class EmbeddedEngine:
         CheckpointError. An unchanged checkpoint that passed is not read again by the next update_weights."""
         return (await asyncio.to_thread(self._validate, str(path))).as_dict()
 
+    # -- weights over the wire (vLLM's weight-transfer calls; rollout/engines/weight_transfer.py) ----------------
+
+    def _receiver(self) -> GlooReceiver:
+        if self._wire is None:
+            raise Unsupported("weight transfer is off on this engine: start it with engine.weight_transfer: gloo")
+        return self._wire
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        """Join the trainer's gloo group as rank ``init_info["rank_offset"]`` (blocks until the trainer is there,
+        at most the timeout); the engine serves meanwhile."""
+        receiver = self._receiver()
+        await asyncio.to_thread(receiver.join, parse_init_info(init_info))
+
+    async def start_weight_update(self) -> None:
+        self._receiver().start()
+
+    async def receive_weights(self, update_info: dict) -> dict:
+        """Receive the announced tensors into the staging copy, on a thread of its own: the engine keeps serving the
+        weights it has while they arrive."""
+        receiver = self._receiver()
+        return await asyncio.to_thread(receiver.receive, parse_update_info(update_info))
+
+    async def check_weight_update(self) -> None:
+        receiver = self._receiver()
+        await asyncio.to_thread(receiver.check)
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Swap the staged tensors in at the next step boundary, running requests kept (each token stamped with the
+        version that sampled it, as ``update_weights(keep_running=True)``); later tokens carry ``version``."""
+        staged = self._receiver().take()
+        self._ensure_scheduler()
+        fut = asyncio.get_running_loop().create_future()
+        self._updates.append((staged, version, True, fut, False))
+        self._wake.set()
+        await fut
+
+    async def set_weight_version(self, version: int) -> None:
+        """Stamp later tokens with ``version``, weights unchanged (vLLM's /update_weight_version), at the next step
+        boundary as an update would be."""
+        self._ensure_scheduler()
+        fut = asyncio.get_running_loop().create_future()
+        self._updates.append((None, version, True, fut, True))
+        self._wake.set()
+        await fut
+
+    async def abort_weight_update(self) -> None:
+        if self._wire is not None:
+            self._wire.abort()
+
+    async def shutdown_weight_transfer(self) -> None:
+        if self._wire is not None:
+            await asyncio.to_thread(self._wire.shutdown)
+
+    async def weight_checksums(self, dp_index: int = 0) -> dict[str, str]:
+        """vLLM's weight checksums of the parameters as served (``/weight_checker``)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, tensor_checksums, self.model, dp_index)
+
+    async def reset_weights(self) -> None:
+        """Zero every parameter, as vLLM's ``/weight_checker {"action": "reset"}`` does (to prove an update covers
+        them all); between two steps."""
+        def zero() -> None:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.zero_()
+            self.sessions.clear()
+
+        await self.wait_idle()
+        await asyncio.get_running_loop().run_in_executor(self._executor, zero)
+        self._wire_weights = True  # no file holds zeros either
+
     # -- LoRA adapters --------------------------------------------------------------------------------------
 
     async def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> int:
@@ -387,6 +476,9 @@ class EmbeddedEngine:
             raise EngineError(f"sleep level must be 1 or 2, got {level}", "level")
         if self.sleep_level:
             return
+        if self._wire_weights and (level == 2 or self.device.type == "cpu"):
+            raise Unsupported(f"sleep level {level}: the served weights came over the wire and no file holds them, so "
+                              "waking could not restore them; send a checkpoint (/update_weights weight_dir) first")
         await self.wait_idle()
         self._sleep_level = level
         await asyncio.get_running_loop().run_in_executor(self._executor, self._free_memory, level)
@@ -435,17 +527,19 @@ class EmbeddedEngine:
             if self._updates and (self._updates[0][2] or not self._running):  # keep_running: no drain
                 path, version, _, fut, same = self._updates.pop(0)
                 try:
-                    if same:
-                        self._weights_path = path
-                        self.stats["reloads_skipped"] += 1
+                    if same:  # the served weights already (or a relabel: no path)
+                        if path is not None:
+                            self._weights_path = path
+                            self.stats["reloads_skipped"] += 1
                     else:
                         await loop.run_in_executor(self._executor, self._swap_weights, path)
                     self.weight_version = version
                     if not fut.done():
                         fut.set_result(None)
                 except Exception as exc:  # the old weights stay; the caller learns why
+                    what = "the received weights" if isinstance(path, dict) else repr(path)
                     if not fut.done():
-                        fut.set_exception(EngineError(f"update_weights({path!r}) failed: {exc}"))
+                        fut.set_exception(EngineError(f"update_weights({what}) failed: {exc}"))
                 continue
             # requests that arrived during the last step join now, unless a weight update is draining
             admit: list[_Req] = []
@@ -515,10 +609,19 @@ class EmbeddedEngine:
         new.config._attn_implementation = register_attention()
         self.model = new
         self._weights_path = path  # what wake_up reloads after a sleep
+        self._wire_weights = False
         self.sessions.clear()
         self._hooked = set()  # the loaded LoRA adapters apply to the new model as they did to the old one
         for adapter in self._lora_slots.adapters.values():
             hook_targets(self.model, adapter, self._lora_slots, self._hooked)
+
+    def _copy_weights(self, staged: dict[str, torch.Tensor]) -> None:
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in staged.items():
+                state[name].copy_(tensor)
+        self.sessions.clear()
+        self._wire_weights = True
 
     def _same_as_served(self, path: str) -> bool:
         """Whether every tensor of the (validated) checkpoint equals the served one, in the served dtype: prime-rl's
@@ -539,11 +642,16 @@ class EmbeddedEngine:
                         return False
         return True
 
-    def _swap_weights(self, path: str) -> None:
-        """Load ``path`` between two steps. Sequences still in the batch (a keep_running update) go on under the
-        new weights: their KV now mixes versions, so none of it may reach the session store. A finalizing one (its
-        result is out) would only write its last token's KV, under the new weights: it leaves the batch now."""
-        self._load_weights(path)
+    def _swap_weights(self, source: str | dict[str, torch.Tensor]) -> None:
+        """Load ``source`` between two steps: a checkpoint directory, or tensors received over the wire (copied into
+        the served parameters, converted to their dtype). Sequences still in the batch (a keep_running update) go
+        on under the new weights: their KV now mixes versions, so none of it may reach the session store. A
+        finalizing one (its result is out) would only write its last token's KV, under the new weights: it leaves
+        the batch now."""
+        if isinstance(source, dict):
+            self._copy_weights(source)
+        else:
+            self._load_weights(source)
         for seq in self._running:
             seq.kept_across_update = True
         self._drop_rows(lambda s: s.finalizing)

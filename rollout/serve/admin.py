@@ -5,9 +5,9 @@ with no version, /resume, /liveness), SkyRL and TRL (/reset_prefix_cache, /get_w
 Parameters are read from the query string, as vLLM's routes read them, or from a JSON body, as SkyRL's client
 sends several of them (``/sleep {"level": 2}``); the query wins when both name one. Unknown body fields are
 refused with 400. Each route acts on every live engine of the fleet (rollout/serve/fleet.py). What cannot be
-real here answers 501 naming why, never a pretend success: NCCL weight transfer (/init_broadcaster,
-/init_weight_transfer_engine, /update_weights with ``update_info``), LoRA adapters, and sleep on a backend
-without it (vLLM's CPU build).
+real here answers 501 naming why, never a pretend success: prime-rl's NCCL broadcaster (/init_broadcaster) and
+sleep on a backend without it (vLLM's CPU build). vLLM's weight-transfer routes (``/update_weights`` with
+``update_info`` among them) are in weight_routes.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from ..engines.checkpoint import CheckpointError
 from ..engines.lora import AdapterError, adapter_step
-from . import calls
+from . import calls, weight_routes
 from .calls import json_response, root_cause
 from .fleet import EngineAsleep
 from .schemas import BadRequest, Conflict, NotFound, decode
@@ -42,7 +42,7 @@ class UpdateWeightsBody(msgspec.Struct, forbid_unknown_fields=True):
     weight_dir: str | None = None
     version: int | None = None  # None: the current version + 1 (prime-rl sends none)
     skip_prefix_cache_reset: bool = False  # prime-rl's; KV of old weights is never reused here anyway
-    update_info: dict | None = None  # TRL's / SkyRL's NCCL tensor update: 501
+    update_info: dict | list | None = None  # vLLM's weight-transfer update (weight_routes.py)
 
 
 class LoadLoraBody(msgspec.Struct):  # vLLM's LoadLoRAAdapterRequest (it ignores keys it does not know)
@@ -146,10 +146,11 @@ async def update_weights(state: ServerState, request: Request) -> Response:
     engine pauses: a refused checkpoint leaves every engine serving its weights and version."""
     called = time.perf_counter()
     body: UpdateWeightsBody = await _body(state, request, UpdateWeightsBody)
-    if body.update_info is not None:
-        return _not_here("update_weights with update_info (tensors streamed over an NCCL group, TRL's and "
-                         "SkyRL's weight sync)", "the engines load checkpoints from disk; send "
-                         '{"weight_dir": "<safetensors directory>"} instead')
+    if body.update_info is not None:  # vLLM's weight-transfer form: tensors over the trainer's group
+        if body.weight_dir is not None:
+            raise BadRequest("send weight_dir (a checkpoint) or update_info (tensors over the weight-transfer group), "
+                             "not both", "update_info")
+        return await weight_routes.update_weights_wire(state, request, body.update_info)
     if not body.weight_dir:
         raise BadRequest("weight_dir is required: the checkpoint directory to load", "weight_dir")
     weight_dir = _weight_dir(state, body.weight_dir)
@@ -280,8 +281,9 @@ async def get_world_size(state: ServerState, request: Request) -> Response:
 
 
 async def server_info(state: ServerState, request: Request) -> Response:
-    """What TRL's VLLMClient.get_server_info reads (``vllm_config``, whose ``weight_transfer_config`` is null:
-    no NCCL weight transfer here, so TRL says so instead of failing later), with tito's own summary."""
+    """What TRL's VLLMClient.get_server_info reads (``vllm_config``, whose ``weight_transfer_config`` is
+    ``{"backend": engine.weight_transfer}``, or null when that is none: TRL then says so instead of failing later),
+    with tito's own summary."""
     fleet = state.fleet
     world = await fleet.world_size()
     info = fleet.infos[0]
@@ -289,8 +291,9 @@ async def server_info(state: ServerState, request: Request) -> Response:
                "engines": len(fleet.engines), "engines_alive": len(fleet.engines) - len(fleet.dead),
                "world_size": world, "max_model_len": fleet.max_model_len, "vocab_size": fleet.vocab_size,
                "weight_version": fleet.weight_version, "paused": fleet.paused, "sleep_level": fleet.sleep_level}
+    transfer = None if fleet.weight_transfer == "none" else {"backend": fleet.weight_transfer}
     vllm_config = {"model_config": {"model": state.model_names[0], "max_model_len": fleet.max_model_len},
-                   "parallel_config": {"world_size": world}, "weight_transfer_config": None}
+                   "parallel_config": {"world_size": world}, "weight_transfer_config": transfer}
     return json_response({"vllm_config": vllm_config, "tito": summary})
 
 
@@ -350,7 +353,6 @@ ROUTES = [
     ("/is_paused", is_paused, ["GET"]),
     ("/update_weights", update_weights, ["POST"]),
     ("/init_broadcaster", init_broadcaster, ["POST"]),
-    ("/init_weight_transfer_engine", init_broadcaster, ["POST"]),
     ("/load_lora_adapter", load_lora_adapter, ["POST"]),
     ("/v1/load_lora_adapter", load_lora_adapter, ["POST"]),
     ("/v1/unload_lora_adapter", unload_lora_adapter, ["POST"]),

@@ -28,7 +28,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..engines.protocol import EngineError, GenerateOutput, GenerateRequest, Unsupported
-from . import admin, calls
+from . import admin, calls, weight_routes
 from .calls import ClientGone, error_response, json_response, root_cause
 from .chat_session import SESSION_END, end_session, evict_over_budget
 from .fleet import DuplicateRequest, EngineUnavailable
@@ -345,6 +345,7 @@ def create_app(state: ServerState) -> Starlette:
         ("/health", health, ["GET"]),
         ("/metrics", metrics, ["GET"]),
         *admin.ROUTES,
+        *weight_routes.ROUTES,
         ("/v1/sessions", sessions_list, ["GET"]),
         ("/v1/sessions/{session_id}/sample", session_sample, ["GET"]),
         ("/v1/sessions/{session_id}", session_delete, ["DELETE"]),

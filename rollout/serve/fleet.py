@@ -17,6 +17,7 @@ from typing import Any
 
 from ..engines.healer import EngineHealer, is_actor_death
 from ..engines.protocol import EngineInfo, GenerateOutput, GenerateRequest, SchedulerStats, Unsupported
+from ..engines.weight_transfer import DEFAULT_TIMEOUT_S, WeightTransfer, WireUpdates
 from ..handles import EngineHandle
 from ..routing import StickyLeastLoaded
 
@@ -73,6 +74,11 @@ class Fleet:
         self.weight_dir: str | None = None
         self.adapters: dict[str, tuple[str, int]] = {}
         self.held = 0  # sequences of requests waiting for a pause to end (not yet routed to an engine)
+        # weights over the wire (vLLM's weight-transfer routes): the backend asked for, and its coordinator
+        self.weight_transfer: WeightTransfer = "none"
+        self.weight_transfer_timeout_s = DEFAULT_TIMEOUT_S
+        self._wire: WireUpdates | None = None
+        self.weights_from_wire = False  # the served weights came over the wire: no directory holds them
 
     @property
     def paused(self) -> bool:
@@ -429,6 +435,47 @@ class Fleet:
         async with self._update_lock:
             await asyncio.gather(*(e.unload_lora_adapter(name) for e in self._live()), return_exceptions=True)
             self.adapters.pop(name, None)
+
+    # ---- weights over the wire (rollout/serve/weight_routes.py) -----------------------------------------------
+
+    async def wire_updates(self) -> WireUpdates:
+        """The weight-transfer coordinator over every engine (each one's ranks: its world size)."""
+        if self._wire is None:
+            sizes = list(await asyncio.gather(*(e.world_size() for e in self.engines)))
+            self._wire = WireUpdates(self.engines, sizes, self.weight_transfer, self.weight_transfer_timeout_s)
+        return self._wire
+
+    async def finish_wire_update(self, version: int) -> None:
+        """Swap the received weights in on every engine and serve ``version`` (rollout/engines/weight_transfer.py
+        ``WireUpdates.finish``: checked everywhere first, so a refusal changes no engine)."""
+        wire = await self.wire_updates()
+        async with self._update_lock:
+            self.last_update_paused_s = await wire.finish(version)
+            self._publish(version)
+            self.weight_dir, self.weights_from_wire = None, True
+
+    async def abort_wire_update(self) -> None:
+        wire = await self.wire_updates()
+        wire.active = False
+        await wire._quietly("abort_weight_update")
+
+    async def relabel_version(self, version: int) -> None:
+        """Later tokens carry ``version``; the weights stay (vLLM's /update_weight_version)."""
+        async with self._update_lock:
+            await asyncio.gather(*(e.weight_transfer("set_weight_version", version) for e in self._live()))
+            self._publish(version)
+
+    async def reset_weights(self) -> None:
+        """Zero every engine's parameters (vLLM's /weight_checker reset); the version stays."""
+        wire = await self.wire_updates()
+        async with self._update_lock:
+            await wire.reset()
+            self.weight_dir, self.weights_from_wire = None, True
+
+    def _publish(self, version: int) -> None:
+        self.weight_version = version
+        for info in self.infos:
+            info.weight_version = version
 
     async def world_size(self) -> int:
         """The inference workers behind the fleet (what TRL and SkyRL size their NCCL group by): the sum of

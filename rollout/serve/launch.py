@@ -73,6 +73,7 @@ def build_state(cfg: ServeConfig,
     placement.renderer_infos(renderer_actors)  # surface a renderer that cannot start, here
     parser = startup.create_parser(cfg.renderer, model_path)
     fleet = Fleet(engines, infos, cfg.engine.overload_factor)
+    fleet.weight_transfer, fleet.weight_transfer_timeout_s = cfg.engine.weight_transfer, cfg.engine.weight_transfer_timeout_s
     if not cfg.engine_in_process:  # Ray actors: a lost one is restarted and brought back (in-process: routed around)
         e = cfg.engine
         fleet.enable_healing(log=lambda line: print(f"tito serve: {line}", file=sys.stderr, flush=True),

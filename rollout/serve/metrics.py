@@ -148,6 +148,8 @@ def server_metrics() -> Metrics:
     m.histogram("weight_update_seconds", "POST /update_weights: from the call to the engines generating again "
                 "(validation + load; requests in flight are kept, not waited for)")
     m.histogram("weight_update_paused_seconds", "POST /update_weights: the time new requests were held (the load)")
+    m.histogram("weight_transfer_receive_seconds", "POST /update_weights {update_info}: receiving the announced "
+                "tensors over the trainer's group (the engines serve meanwhile)")
     return m
 
 
