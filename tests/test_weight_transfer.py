@@ -13,6 +13,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -150,5 +153,175 @@ def test_a_plain_torch_trainer_sends_weights_that_are_then_served(server, base_s
     served = {**base, **{k: t.float() for k, t in changed.items()}}
     for _ in range(ENGINES):  # each engine in turn (least loaded routing): logprobs = a forward pass under them
         ids, lps, out = greedy(server)
+        assert {s["version"] for s in out["choices"][0]["weight_versions"]} == {str(v0 + 5)}
         ref = _forward_logprobs(model, served, prompt() + ids)[len(prompt()):]
         assert torch.allclose(torch.tensor(lps, dtype=torch.float64), ref, atol=2e-4), (lps, ref.tolist())
+
+
+def refused(answer, status, *needles):
+    code, body = answer
+    assert code == status, answer
+    message = body["error"]["message"]
+    assert all(n in message for n in needles), message
+    return message
+
+
+def test_bad_input_is_refused_naming_it_and_the_served_weights_stay(server, base_state):  # noqa: F811
+    model, base = base_state
+    before, v0 = checksums(server), served_version(server)
+    status, ws = call(server, "GET", "/get_world_size")
+    # a world_size that does not match the fleet, an NCCL-only field: refused before any engine waits
+    wrong = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 7}
+    refused(call(server, "POST", "/init_weight_transfer_engine", {"init_info": wrong}), 400, "world_size is 7",
+            f"{ws['world_size']} inference worker")
+    nccl = {**wrong, "world_size": 1 + ws["world_size"], "nccl_unique_id_b64": "AAAA"}
+    refused(call(server, "POST", "/init_weight_transfer_engine", {"init_info": nccl}), 400, "nccl_unique_id_b64")
+
+    trainer = PlainTrainer(server)
+    assert trainer.init()[0] == 200
+    refused(call(server, "POST", "/update_weights", {"update_info": {"names": [], "dtype_names": [], "shapes": []}}),
+            400, "before start_weight_update")
+    refused(call(server, "POST", "/finish_weight_update", {}), 400, "without a matching start_weight_update")
+    assert call(server, "POST", "/start_weight_update", {})[0] == 200
+    refused(call(server, "POST", "/start_weight_update", {}), 409, "already active")  # SkyRL #1605
+    # lists of different lengths, a dtype vLLM does not know, a per-rank list of the wrong length: nothing to
+    # receive can be worked out, so the call is refused at once (and, as in vLLM, ends the update)
+    for info, needle in [({"names": ["a", "b"], "dtype_names": ["float32"], "shapes": [[1], [1]]}, "same length"),
+                         ({"names": ["model.norm.weight"], "dtype_names": ["float17"], "shapes": [[576]]}, "float17"),
+                         ([{"names": [], "dtype_names": [], "shapes": []}], "list of 1 entries")]:
+        refused(call(server, "POST", "/update_weights", {"update_info": info}), 400, needle)
+        assert call(server, "POST", "/start_weight_update", {})[0] == 200
+    # a name the model lacks, a shape of another model: received (the trainer's broadcast completes, the group
+    # stays in step) then refused, naming the tensor
+    norm = base["model.norm.weight"]
+    refused(trainer.update({"model.layers.99.mlp.up_proj.weight": torch.ones(3, 4)}), 400,
+            "model.layers.99.mlp.up_proj.weight is not a tensor of the served model")
+    assert call(server, "POST", "/start_weight_update", {})[0] == 200
+    refused(trainer.update({"model.norm.weight": torch.ones(norm.numel() + 1)}), 400, "model.norm.weight has shape")
+    # NaN: received, refused by finish naming the tensor; weights and version as before
+    assert call(server, "POST", "/start_weight_update", {})[0] == 200
+    bad = norm.clone()
+    bad[3] = float("nan")
+    assert trainer.update({"model.norm.weight": bad})[0] == 200
+    refused(call(server, "POST", "/finish_weight_update", {}), 400, "model.norm.weight holds 1 NaN")
+    assert checksums(server) == before and served_version(server) == v0
+    # a version that does not increase: 409, the update dropped
+    assert call(server, "POST", "/start_weight_update", {})[0] == 200
+    assert trainer.update({"model.norm.weight": norm * 2})[0] == 200
+    refused(call(server, "POST", "/finish_weight_update", {"weight_version": str(v0)}), 409, "not above")
+    refused(call(server, "POST", "/finish_weight_update", {"weight_version": "step-3"}), 400, "integer")
+    assert checksums(server) == before and served_version(server) == v0
+    # the group is still in step after all that: a good update goes through
+    assert call(server, "POST", "/start_weight_update", {})[0] == 200
+    assert trainer.update({"model.norm.weight": norm})[0] == 200
+    assert call(server, "POST", "/finish_weight_update", {})[0] == 200
+    after = checksums(server)
+    assert served_version(server) == v0 + 1
+    assert all(after[f"dp{i}:pp0:pcp0:tp0:model.norm.weight"] == sha(norm) for i in range(ENGINES))
+    assert all(after[k] == before[k] for k in before if not k.endswith(":model.norm.weight"))
+    greedy(server)
+
+
+def test_a_trainer_that_never_connects_costs_one_bounded_call(server):
+    v0, before = served_version(server), checksums(server)
+    nobody = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+              "world_size": 1 + ENGINES}
+    t0 = time.monotonic()
+    refused(call(server, "POST", "/init_weight_transfer_engine", {"init_info": nobody}), 504, "could not join",
+            str(nobody["master_port"]))
+    assert time.monotonic() - t0 < TIMEOUT_S + 20
+    refused(call(server, "POST", "/start_weight_update", {}), 400, "before init_weight_transfer_engine")
+    assert served_version(server) == v0 and checksums(server) == before
+    greedy(server)  # serving all along
+
+
+DYING_TRAINER = r"""
+import datetime, sys, os, torch, torch.distributed as dist
+port, world = int(sys.argv[1]), int(sys.argv[2])
+t = datetime.timedelta(seconds=30)
+store = dist.TCPStore("127.0.0.1", port, world, True, timeout=t)
+group = dist.ProcessGroupGloo(store, 0, world, t)
+print("joined", flush=True)
+sys.stdin.readline()
+group.broadcast(torch.full((576,), 3.0), 0).wait()  # the first of three announced tensors, then it dies
+os._exit(1)
+"""
+
+
+def test_a_trainer_that_dies_mid_transfer_leaves_the_served_weights(server, base_state):  # noqa: F811
+    v0, before = served_version(server), checksums(server)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", DYING_TRAINER, str(port), str(1 + ENGINES)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 1 + ENGINES}
+        assert call(server, "POST", "/init_weight_transfer_engine", {"init_info": info})[0] == 200
+        assert proc.stdout.readline().strip() == "joined"
+        assert call(server, "POST", "/start_weight_update", {})[0] == 200
+        announced = {"names": ["model.norm.weight", "model.layers.0.input_layernorm.weight",
+                               "model.layers.1.input_layernorm.weight"],
+                     "dtype_names": ["float32"] * 3, "shapes": [[576]] * 3}
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(call, server, "POST", "/update_weights", {"update_info": announced})
+            t0 = time.monotonic()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            status, body = answer.result()
+        assert status in (502, 504), body
+        assert "update is dropped" in body["error"]["message"]
+        assert time.monotonic() - t0 < 2 * TIMEOUT_S + 20
+    finally:
+        proc.kill()
+        proc.wait()
+    assert served_version(server) == v0 and checksums(server) == before  # the first tensor never became served
+    greedy(server)
+    refused(call(server, "POST", "/finish_weight_update", {}), 400, "without a matching start")
+
+
+def test_the_version_routes_as_vllm_has_them(server):
+    v0 = served_version(server)
+    assert call(server, "POST", "/update_weight_version", {"new_version": str(v0 + 3)}) == \
+        (200, {"success": True, "new_version": str(v0 + 3)})
+    assert call(server, "GET", "/weight_info") == (200, {"weight_version": str(v0 + 3)})
+    _, _, out = greedy(server)
+    assert {s["version"] for s in out["choices"][0]["weight_versions"]} == {str(v0 + 3)}
+    refused(call(server, "POST", "/update_weight_version", {"new_version": str(v0)}), 409, "below")
+    refused(call(server, "POST", "/update_weight_version", {"new_version": "latest"}), 400, "integer")
+    refused(call(server, "POST", "/weight_checker", {"action": "compare"}), 400, "baseline")
+
+
+def test_tito_helper_sends_a_whole_model_and_reset_proves_it_covered_every_tensor(server, base_state):  # noqa: F811
+    from rollout.engines.gloo_sender import GlooWeightSender, WeightSendError
+
+    model, base = base_state
+    before = checksums(server)
+    taken = __import__("socket").socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        with pytest.raises(WeightSendError, match=f"{taken.getsockname()[1]}.*in use"):
+            GlooWeightSender(server.url, master_port=taken.getsockname()[1], timeout_s=TIMEOUT_S).init()
+    finally:
+        taken.close()
+    sender = GlooWeightSender(server.url, timeout_s=TIMEOUT_S)
+    sender.init()
+    status, answer = call(server, "POST", "/weight_checker", {"action": "reset"})
+    assert (status, answer) == (200, {"status": "reset"})
+    zeroed = checksums(server)
+    assert all(zeroed[k] != before[k] for k in before if "norm" in k)
+    v = served_version(server)
+    new = _perturbed(base, 0.8)
+    params = [(name, new[name]) for name, _ in model.named_parameters()]
+    sent = sender.send(params, version=v + 2)
+    assert sent["tensors"] == len(params) and sent["bytes"] == sum(t.numel() * 4 for _, t in params)
+    assert served_version(server) == v + 2
+    after = checksums(server)
+    assert after == {k: sha(new[k.split(":", 4)[4]]) for k in before}  # every parameter: the reset left none
+    ids, lps, _ = greedy(server)
+    ref = _forward_logprobs(model, new, prompt() + ids)[len(prompt()):]
+    assert torch.allclose(torch.tensor(lps, dtype=torch.float64), ref, atol=2e-4)
+    sender.send([(name, base[name]) for name, _ in model.named_parameters()])  # back to the base weights
+    assert checksums(server) == {k: sha(base[k.split(":", 4)[4]]) for k in before}
+    assert served_version(server) == v + 3
+    sender.close()
+    refused(call(server, "POST", "/start_weight_update", {}), 400, "before init_weight_transfer_engine")

@@ -384,16 +384,12 @@ class WireUpdates:
         if self.busy:
             raise TransferConflict(f"update_weights while {self.busy} is in progress: send one update_weights at a "
                                    "time")
-        if isinstance(update_info, list):  # vLLM: one entry per global worker rank
-            if len(update_info) != self.world_size:
-                raise TransferRefused(f"update_info is a list of {len(update_info)} entries; the server has "
-                                      f"{self.world_size} inference worker(s)", "update_info")
-            infos, at = [], 0
-            for size in self.sizes:
-                infos.append(msgspec.structs.asdict(parse_update_info(update_info[at])))
-                at += size
-        else:
-            infos = [msgspec.structs.asdict(parse_update_info(update_info))] * len(self.engines)
+        try:
+            infos = self._per_engine(update_info)
+        except TransferRefused:  # as vLLM's worker: a refused update_weights ends the update
+            self.active = False
+            await self._quietly("abort_weight_update")
+            raise
         self.busy = "update_weights"
         t0 = time.perf_counter()
         try:
@@ -407,6 +403,18 @@ class WireUpdates:
         self.last["received_s"] += time.perf_counter() - t0
         self.last["bytes"] += float(reports[0].get("bytes", 0))
         return reports[0]
+
+    def _per_engine(self, update_info: Any) -> list[dict]:
+        if isinstance(update_info, list):  # vLLM: one entry per global worker rank
+            if len(update_info) != self.world_size:
+                raise TransferRefused(f"update_info is a list of {len(update_info)} entries; the server has "
+                                      f"{self.world_size} inference worker(s)", "update_info")
+            infos, at = [], 0
+            for size in self.sizes:
+                infos.append(msgspec.structs.asdict(parse_update_info(update_info[at])))
+                at += size
+            return infos
+        return [msgspec.structs.asdict(parse_update_info(update_info))] * len(self.engines)
 
     async def finish(self, version: int) -> float:
         """Check every engine's staging, then swap it in everywhere under ``version``; returns the seconds the
