@@ -12,7 +12,7 @@ VLLM_STAMP := $(VENV_VLLM)/.tito-installed
 VLLM_TESTS := tests/test_vllm_real.py tests/test_vllm_follow.py tests/test_vllm_run.py tests/test_vllm_serve.py tests/test_vllm_admin.py tests/test_vllm_lora.py
 # end-to-end tests: kept out of `make test` so that it stays under 15 minutes on 2 cores
 E2E_TESTS := tests/test_clients_rl.py tests/test_follow_cli.py tests/test_follow_status_e2e.py tests/test_coexist.py tests/test_run_signals.py tests/test_launch.py \
-	tests/test_scale_out.py tests/test_serve_ray_death.py tests/test_serve_security.py tests/test_run_failfast.py \
+	tests/test_weight_transfer.py tests/test_scale_out.py tests/test_serve_ray_death.py tests/test_serve_security.py tests/test_run_failfast.py \
 	tests/test_disk_full.py tests/test_sandbox_isolation.py tests/test_run_engine_death.py \
 	tests/test_progress.py tests/test_demo.py tests/test_export.py tests/test_serve_admin.py tests/test_identity.py \
 	tests/test_output_readers.py tests/test_run.py tests/test_cli.py tests/test_serve_embedded.py \

@@ -317,3 +317,28 @@ def test_an_empty_out_is_an_error_before_anything_runs(tmp_path):
         assert list(tmp_path.iterdir()) == [], "nothing is written"
     with pytest.raises(ConfigError, match=r"output\.dir: must name a directory, got ''"):
         load_config(REPO / "configs" / "demo.yaml", ["output.dir=''"])
+
+
+def test_weight_transfer_that_cannot_be_is_one_line_before_anything_starts():
+    from rollout.config import ServeConfig
+    from rollout.startup import check_engine_config, engine_specs
+
+    serve = REPO / "configs" / "serve.yaml"
+
+    def check(*items):
+        check_engine_config(load_config(serve, list(items), ServeConfig).engine)
+
+    check("engine.weight_transfer=gloo")  # the embedded engine receives over gloo
+    with pytest.raises(ValueError, match=r"^engine\.weight_transfer: nccl is vLLM's own NCCL engine and needs "
+                                         r"engine\.backend: vllm on CUDA GPUs"):
+        check("engine.weight_transfer=nccl")
+    with pytest.raises(ValueError, match=r"^engine\.weight_transfer: gloo: the replay engine receives no weights"):
+        check("engine.backend=replay", "engine.weight_transfer=gloo")
+    with pytest.raises(ValueError, match=r"^engine\.weight_transfer: gloo is not yet available on the vllm backend"):
+        check("engine.backend=vllm", "engine.weight_transfer=gloo")
+    with pytest.raises(ConfigError, match=r"engine\.weight_transfer"):
+        load_config(serve, ["engine.weight_transfer=ipc"], ServeConfig)
+    # what the engines are built with: nothing unless asked, so no engine listens by default
+    cfg = load_config(serve, ["engine.weight_transfer=gloo", "engine.weight_transfer_timeout_s=9"], ServeConfig)
+    assert engine_specs(cfg.engine, "m")[0].kwargs["weight_transfer_timeout_s"] == 9
+    assert "weight_transfer" not in engine_specs(load_config(serve, [], ServeConfig).engine, "m")[0].kwargs

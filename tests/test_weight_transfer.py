@@ -325,3 +325,43 @@ def test_tito_helper_sends_a_whole_model_and_reset_proves_it_covered_every_tenso
     assert served_version(server) == v + 3
     sender.close()
     refused(call(server, "POST", "/start_weight_update", {}), 400, "before init_weight_transfer_engine")
+
+
+TRL_SCRIPT = """
+import json, sys
+from trl.generation.vllm_client import VLLMClient
+
+client = VLLMClient(base_url=sys.argv[1])
+out = {"weight_transfer_config": client.get_server_info()["weight_transfer_config"],
+       "world_size": client.get_world_size()}
+try:
+    client.init_communicator("cpu")  # TRL's check before its NCCL rendezvous
+except Exception as exc:
+    out["init_communicator"] = f"{type(exc).__name__}: {exc}"
+if sys.argv[2] == "update":
+    with client.weight_update():  # POST /start_weight_update {}, then /finish_weight_update {}
+        pass
+    out["updated"] = True
+print(json.dumps(out))
+"""
+
+
+def test_trl_vllm_client_weight_sync_calls_up_to_its_nccl_rendezvous(server, tmp_path_factory):
+    """TRL 1.16's VLLMClient, unchanged, in its cached venv: it finds a weight-transfer engine (gloo) and the world
+    size, stops where it would open its NCCL group (it needs CUDA), and its weight_update() bracket (start and finish,
+    as TRL sends them) publishes a version on a group a plain torch trainer opened."""
+    from ._support import client_venv, run_in_venv
+    from .test_clients_rl import TRL_REQUIREMENTS, _vllm_site
+
+    site = _vllm_site()
+    if site is None:
+        pytest.skip("TRL's VLLMClient needs vLLM importable: build .venv-vllm (make .venv-vllm/.tito-installed)")
+    root = client_venv("trl", TRL_REQUIREMENTS, inherit=[site])
+    out = run_in_venv(root, TRL_SCRIPT, server.url, "probe", cwd=tmp_path_factory.mktemp("trl"), timeout=300)
+    assert out["weight_transfer_config"] == {"backend": "gloo"} and out["world_size"] == ENGINES
+    assert "needs a CUDA device" in out["init_communicator"], out
+    trainer = PlainTrainer(server)
+    assert trainer.init()[0] == 200
+    v0 = served_version(server)
+    out = run_in_venv(root, TRL_SCRIPT, server.url, "update", cwd=tmp_path_factory.mktemp("trl"), timeout=300)
+    assert out["updated"] and served_version(server) == v0 + 1
