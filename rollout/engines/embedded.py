@@ -333,8 +333,17 @@ class EmbeddedEngine:
         return await asyncio.to_thread(receiver.receive, parse_update_info(update_info))
 
     async def check_weight_update(self) -> None:
+        """What arrived is finite (else the update is dropped, naming the tensor); then each tensor is made the
+        served parameter's dtype and device here, off the step thread, so the swap only points at it."""
         receiver = self._receiver()
-        await asyncio.to_thread(receiver.check)
+        await asyncio.to_thread(self._prepare_staged, receiver)
+
+    def _prepare_staged(self, receiver: GlooReceiver) -> None:
+        receiver.check()
+        state = self.model.state_dict()
+        for name, tensor in receiver.staged.items():
+            target = state[name]
+            receiver.staged[name] = tensor.to(dtype=target.dtype, device=target.device).contiguous()
 
     async def finish_weight_update(self, version: int) -> None:
         """Swap the staged tensors in at the next step boundary, running requests kept (each token stamped with the
@@ -532,7 +541,9 @@ class EmbeddedEngine:
                             self._weights_path = path
                             self.stats["reloads_skipped"] += 1
                     else:
+                        swap_at = time.perf_counter()
                         await loop.run_in_executor(self._executor, self._swap_weights, path)
+                        self.stats["last_swap_s"] = time.perf_counter() - swap_at  # no step ran meanwhile
                     self.weight_version = version
                     if not fut.done():
                         fut.set_result(None)
@@ -616,10 +627,17 @@ class EmbeddedEngine:
             hook_targets(self.model, adapter, self._lora_slots, self._hooked)
 
     def _copy_weights(self, staged: dict[str, torch.Tensor]) -> None:
-        state = self.model.state_dict()
+        """Serve the staged tensors: each parameter now points at its staged tensor (prepared in its dtype and
+        device by check_weight_update), so the swap costs no copy; a tied name reaches the shared parameter."""
+        state = self.model.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, tensor in staged.items():
-                state[name].copy_(tensor)
+                target = state[name]
+                if isinstance(target, torch.nn.Parameter) and target.shape == tensor.shape \
+                        and target.dtype == tensor.dtype and target.device == tensor.device:
+                    target.data = tensor
+                else:
+                    target.copy_(tensor)
         self.sessions.clear()
         self._wire_weights = True
 

@@ -197,6 +197,10 @@ class Fleet:
         An update in progress finishes first. Returns the version it now serves."""
         async with self._update_lock:
             engine = self.engines[index]
+            if self.weights_from_wire:  # never serve the base weights under the wire version's label
+                raise RuntimeError("the fleet serves weights received over the wire, which no file holds: a restarted "
+                                   "engine cannot be brought up to them, so it stays out (send a checkpoint with "
+                                   "/update_weights weight_dir to make them restorable)")
             if self.weight_dir is not None:
                 await engine.update_weights(self.weight_dir, self.weight_version)
             for name, (path, version) in self.adapters.items():
@@ -356,7 +360,7 @@ class Fleet:
             await self.pause("keep" if keep_running else "wait")
             try:
                 await asyncio.gather(*(self._load(e, weight_dir, version, keep_running) for e in self._live()))
-                self.weight_version, self.weight_dir = version, weight_dir
+                self.weight_version, self.weight_dir, self.weights_from_wire = version, weight_dir, False
                 for info in self.infos:
                     info.weight_version = version
             finally:
