@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -45,8 +46,6 @@ def call(srv, method, path, body=None, timeout=120):
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -295,7 +294,7 @@ def test_tito_helper_sends_a_whole_model_and_reset_proves_it_covered_every_tenso
 
     model, base = base_state
     before = checksums(server)
-    taken = __import__("socket").socket()
+    taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     try:
