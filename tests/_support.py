@@ -112,7 +112,7 @@ def reference_ids(name: str, messages, tools=None, add_generation_prompt=False, 
 
 
 def cached_venv(key: str, requirements: list[str], *, inherit: Sequence[Path] = (),
-                prepare: Callable[[Path], None] | None = None) -> Path:
+                prepare: Callable[[Path], None] | None = None, python: str | None = None) -> Path:
     """A virtual environment holding ``requirements`` from PyPI, built once and cached under
     ``$TITO_CACHE/venvs/<key>`` (else ``~/.cache/tito/venvs``); returns its root.
 
@@ -120,7 +120,8 @@ def cached_venv(key: str, requirements: list[str], *, inherit: Sequence[Path] = 
     ``--system-site-packages`` adds the base interpreter's), so pip keeps what they already hold instead of
     installing a second torch. The venv has no pip of its own: this interpreter's pip installs into it
     (``pip --python``). ``prepare(root)`` runs last, before the venv is marked complete. A failed install
-    skips the test (fails it under CI=true).
+    skips the test (fails it under CI=true). ``python``: the interpreter the venv is made with (default this one;
+    a client that needs another Python version, with no ``inherit``).
     """
     cache = Path(os.environ.get("TITO_CACHE") or "~/.cache/tito").expanduser()
     root = cache / "venvs" / key
@@ -129,7 +130,7 @@ def cached_venv(key: str, requirements: list[str], *, inherit: Sequence[Path] = 
     tmp = root.with_name(f".{root.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp)], check=True)
+    subprocess.run([python or sys.executable, "-m", "venv", "--without-pip", str(tmp)], check=True)
     if inherit:
         (venv_site(tmp) / "_inherit.pth").write_text("".join(f"{p}\n" for p in inherit))
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -364,3 +365,112 @@ def test_trl_vllm_client_weight_sync_calls_up_to_its_nccl_rendezvous(server, tmp
     v0 = served_version(server)
     out = run_in_venv(root, TRL_SCRIPT, server.url, "update", cwd=tmp_path_factory.mktemp("trl"), timeout=300)
     assert out["updated"] and served_version(server) == v0 + 1
+
+
+SKYRL_VERSION = "0.3.0"
+SKYRL_SCRIPT = """
+import asyncio, json, pathlib, sys, types
+
+# SkyRL's broadcast module imports torch and ray at the top; this Python 3.12 venv has neither (no torch wheel for it
+# here), so they are empty stand-ins: only its BroadcastInitInfo (a dataclass) and the HTTP client run, unchanged
+class Stub(types.ModuleType):
+    def __getattr__(self, name):
+        return type(name, (), {})
+for name in ("ray", "torch", "torch.distributed"):
+    sys.modules[name] = Stub(name)
+import skyrl.backends.skyrl_train as st
+package = types.ModuleType("skyrl.backends.skyrl_train.weight_sync")  # its __init__ imports the CUDA IPC strategy
+package.__path__ = [str(pathlib.Path(st.__file__).parent / "weight_sync")]
+sys.modules[package.__name__] = package
+from skyrl.backends.skyrl_train.weight_sync.broadcast_strategy import BroadcastInitInfo
+from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
+
+async def main(url, port, update_info):
+    client = RemoteInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1)
+    out = {"world_size": list(await client.get_world_size())}
+    total = out["world_size"][0]
+    # as BroadcastTransferStrategy.create_init_info builds it: trainer rank 0, the engines after it
+    info = BroadcastInitInfo(override_existing_receiver=True, master_addr="127.0.0.1", master_port=port,
+                             rank_offset=1, world_size=total + 1)
+    await client.init_weight_update_communicator(info)
+    await client.pause(mode="keep")
+    await client.start_weight_update(is_checkpoint_format=True)
+    print("broadcast now", flush=True)
+    await client.update_weights_nccl(update_info)
+    await client.finish_weight_update()
+    await client.resume()
+    try:
+        await client.start_weight_update(is_checkpoint_format=False)
+    except Exception as exc:
+        out["kernel_format"] = str(exc)
+    await client.teardown()
+    print(json.dumps(out), flush=True)
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])))
+"""
+
+
+def _python312() -> str | None:
+    """A Python 3.12 that runs (a pyenv shim on PATH may name one that is not installed)."""
+    import glob
+    import shutil
+
+    for found in [*sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12"))),
+                  shutil.which("python3.12")]:
+        if found and subprocess.run([found, "-c", "pass"], capture_output=True).returncode == 0:
+            return found
+    return None
+
+
+def test_skyrl_remote_inference_client_weight_sync_over_gloo(server, base_state, tmp_path):  # noqa: F811
+    """SkyRL 0.3's RemoteInferenceClient, unchanged (PyPI, Python 3.12): its world size, its init_info payload
+    (BroadcastInitInfo), pause keep, then its start / update_weights_nccl / finish, which it sends through vLLM's
+    /collective_rpc, while this process broadcasts as the trainer's rank 0; then resume. The tensors broadcast are
+    served under the next version."""
+    from ._support import cached_venv
+
+    python = _python312()
+    if python is None:
+        pytest.skip("SkyRL 0.3 needs Python 3.12 (its typing.TypedDict under pydantic); none is installed here")
+
+    def add_skyrl(root):
+        done = subprocess.run([sys.executable, "-m", "pip", "--python", str(root / "bin" / "python"), "install", "-q",
+                               "--no-deps", f"skyrl=={SKYRL_VERSION}"], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+    root = cached_venv(f"client-skyrl-{SKYRL_VERSION}-py312", ["aiohttp", "pydantic"], prepare=add_skyrl,
+                       python=python)
+    model, base = base_state
+    v0 = served_version(server)
+    sent = {"model.norm.weight": base["model.norm.weight"] * 0.9}
+    info = {"names": list(sent), "dtype_names": ["float32"], "shapes": [list(sent["model.norm.weight"].shape)]}
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1 + ENGINES, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=TIMEOUT_S * 4))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    proc = subprocess.Popen([str(root / "bin" / "python"), "-I", "-c", SKYRL_SCRIPT, server.url, str(port),
+                             json.dumps(info)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=tmp_path)
+    try:
+        try:
+            group = dist.ProcessGroupGloo(store, 0, 1 + ENGINES, datetime.timedelta(seconds=TIMEOUT_S * 4))
+        except Exception:
+            proc.kill()
+            raise AssertionError(f"the engines never joined; SkyRL's side: {proc.communicate()[1][-3000:]}") from None
+        line = proc.stdout.readline()
+        assert line.strip() == "broadcast now", (line, proc.stderr.read() if proc.poll() is not None else "")
+        for t in sent.values():
+            group.broadcast(t.contiguous(), 0).wait()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["world_size"] == [ENGINES, ENGINES]
+    assert "400" in result["kernel_format"] or "kernel-format" in result["kernel_format"], result
+    assert served_version(server) == v0 + 1
+    after = checksums(server)
+    assert all(after[f"dp{i}:pp0:pcp0:tp0:model.norm.weight"] == sha(sent["model.norm.weight"])
+               for i in range(ENGINES))
+    refused(call(server, "POST", "/collective_rpc", {"method": "reload_weights"}), 400, "reload_weights",
+            "skyrl_start_weight_update")

@@ -32,7 +32,8 @@ OPEN_PATHS = frozenset({"/health", "/liveness"})
 ADMIN_PATHS = frozenset({"/pause", "/resume", "/update_weights", "/sleep", "/wake_up", "/reset_prefix_cache",
                          "/init_broadcaster", "/init_weight_transfer_engine", "/load_lora_adapter",
                          "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/shutdown_weight_transfer_engine",
-                         "/start_weight_update", "/finish_weight_update", "/update_weight_version", "/weight_checker"})
+                         "/start_weight_update", "/finish_weight_update", "/update_weight_version", "/weight_checker",
+                         "/collective_rpc"})
 
 
 class BodyTimeout(BadRequest):

@@ -4,7 +4,8 @@ response bodies, over every engine of the fleet (rollout/engines/weight_transfer
 ``POST /init_weight_transfer_engine {init_info}``, ``/start_weight_update``, ``/update_weights {update_info}`` (the
 checkpoint form, ``{weight_dir}``, stays in admin.py), ``/finish_weight_update {weight_version}``,
 ``/shutdown_weight_transfer_engine``, ``GET /weight_info``, ``POST /update_weight_version {new_version}``,
-``POST /weight_checker {action: checksum|compare|reset, baseline}``.
+``POST /weight_checker {action: checksum|compare|reset, baseline}``; and ``/collective_rpc`` for the three worker
+methods SkyRL 0.3 calls through it around a broadcast (start, update_weights_nccl, finish).
 
 Answers: 400 for a malformed body or a call out of order (naming the field or the tensor), 409 for a call that
 clashes with one in progress (a second ``start_weight_update``), 501 where ``engine.weight_transfer`` is none,
@@ -185,7 +186,47 @@ async def weight_checker(state: ServerState, request: Request) -> Response:
     return json_response({"match": not mismatches, "mismatches": mismatches})
 
 
+class CollectiveRpcBody(msgspec.Struct):  # vLLM's dev route reads these keys and ignores others
+    method: str | None = None
+    args: list = msgspec.field(default_factory=list)
+    kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    timeout: float | None = None
+
+
+# the worker methods SkyRL 0.3 calls through vLLM's /collective_rpc around a broadcast (its worker extension's names;
+# its RemoteInferenceClient start_weight_update / update_weights_nccl / finish_weight_update): tito has no vLLM
+# worker to run them on, so they are the same steps as the routes above
+SKYRL_STEPS = ("skyrl_start_weight_update", "update_weights_nccl", "skyrl_finish_weight_update")
+
+
+async def collective_rpc(state: ServerState, request: Request) -> Response:
+    """vLLM's ``/collective_rpc {method, args, kwargs}`` for the weight-sync methods SkyRL sends (SKYRL_STEPS), answered
+    ``{results: [one per inference worker]}`` as vLLM answers; any other method is a 400 naming those."""
+    body: CollectiveRpcBody = await _body(state, request, CollectiveRpcBody)
+    if body.method is None:
+        raise BadRequest("Missing 'method' in request body", "method")
+    if body.method not in SKYRL_STEPS:
+        raise BadRequest(f"collective_rpc method {body.method!r} cannot run here: tito runs no vLLM worker "
+                         f"extension; the weight-sync methods it answers are {', '.join(SKYRL_STEPS)}", "method")
+    wire = await _wire(state)
+    if body.method == "skyrl_start_weight_update":
+        if body.kwargs.get("is_checkpoint_format", True) is False:
+            raise BadRequest("is_checkpoint_format: false (kernel-format tensors) cannot be received: send the "
+                             "checkpoint (Hugging Face) names and shapes", "is_checkpoint_format")
+        failed = await _guarded(wire.start())
+    elif body.method == "update_weights_nccl":
+        if "update_info" not in body.kwargs:
+            raise BadRequest("update_weights_nccl needs kwargs.update_info", "kwargs")
+        failed = await _guarded(wire.receive(body.kwargs["update_info"]))
+    else:
+        fleet = state.fleet
+        async with state.weights_lock:
+            failed = await _guarded(fleet.finish_wire_update(fleet.weight_version + 1))
+    return failed or json_response({"results": [None] * wire.world_size})
+
+
 ROUTES = [
+    ("/collective_rpc", collective_rpc, ["POST"]),
     ("/init_weight_transfer_engine", init_weight_transfer_engine, ["POST"]),
     ("/shutdown_weight_transfer_engine", shutdown_weight_transfer_engine, ["POST"]),
     ("/start_weight_update", start_weight_update, ["POST"]),
