@@ -98,13 +98,17 @@ def test_routes_need_the_api_key_but_health_and_liveness(server):
 
 
 def test_admin_routes_take_the_admin_key_alone(server):
-    for path in ("/pause", "/resume", "/update_weights", "/sleep", "/wake_up", "/reset_prefix_cache"):
+    for path in ("/pause", "/resume", "/update_weights", "/sleep", "/wake_up", "/reset_prefix_cache",
+                 # the weight-transfer calls that change what is served (rollout/serve/weight_routes.py)
+                 "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
+                 "/shutdown_weight_transfer_engine", "/update_weight_version", "/weight_checker", "/collective_rpc"):
         status, r = call(server, "POST", path, {})
         assert status == 401 and "server.admin_api_key" in r["error"]["message"], (path, r)
     assert call(server, "POST", "/pause?mode=wait", key=ADMIN_KEY)[0] == 200
     assert call(server, "POST", "/resume", key=ADMIN_KEY)[0] == 200
     assert call(server, "GET", "/v1/models", key=ADMIN_KEY)[0] == 200  # the admin key opens the other routes too
     assert call(server, "GET", "/is_paused")[1] == {"is_paused": False}  # a read-only admin route: the user key
+    assert call(server, "GET", "/weight_info")[0] == 200
 
 
 def test_openai_sdk_api_key(server):

@@ -58,15 +58,19 @@ class GlooWeightSender:
         self.world_size: int | None = None
 
     # -- HTTP ------------------------------------------------------------------------------------------------
-    def call(self, method: str, route: str, body: dict | None = None) -> dict:
-        """One route; a non-2xx answer raises WeightSendError quoting it."""
+    def call(self, method: str, route: str, body: dict | None = None, timeout: float | None = -1.0) -> dict:
+        """One route; a non-2xx answer raises WeightSendError quoting it. ``timeout`` -1: the default bound; None:
+        no bound (the answer to /update_weights comes once every tensor arrived, however long that takes; each
+        tensor's wait is bounded by the group's own timeout)."""
+        if timeout == -1.0:
+            timeout = self.timeout_s * 2 + 30
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.base_url + route, data=data, method=method,
                                          headers={"Content-Type": "application/json"})
         if self.api_key:
             request.add_header("Authorization", f"Bearer {self.api_key}")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s * 2 + 30) as answer:
+            with urllib.request.urlopen(request, timeout=timeout) as answer:
                 text = answer.read().decode()
         except urllib.error.HTTPError as exc:
             raise WeightSendError(f"{method} {route}: HTTP {exc.code}: {exc.read().decode(errors='replace')}") from None
@@ -74,9 +78,9 @@ class GlooWeightSender:
             raise WeightSendError(f"{method} {route}: {exc.reason}") from None
         return json.loads(text) if text.strip() else {}
 
-    def _post_meanwhile(self, route: str, body: dict) -> tuple[ThreadPoolExecutor, Future]:
+    def _post_meanwhile(self, route: str, body: dict, timeout: float | None = -1.0) -> tuple[ThreadPoolExecutor, Future]:
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tito-weight-send")
-        return pool, pool.submit(self.call, "POST", route, body)
+        return pool, pool.submit(self.call, "POST", route, body, timeout)
 
     # -- the group -------------------------------------------------------------------------------------------
     def init(self) -> None:
@@ -124,7 +128,7 @@ class GlooWeightSender:
                 "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in items],
                 "shapes": [list(t.shape) for _, t in items]}
         self.call("POST", "/start_weight_update", {})
-        pool, answer = self._post_meanwhile("/update_weights", {"update_info": info})
+        pool, answer = self._post_meanwhile("/update_weights", {"update_info": info}, None)
         outcome: dict[str, Any] = {}
 
         def push() -> None:

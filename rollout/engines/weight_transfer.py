@@ -393,7 +393,8 @@ class WireUpdates:
         self.busy = "update_weights"
         t0 = time.perf_counter()
         try:
-            reports = await self._all("receive_weights", [(i,) for i in infos], self.timeout_s * 2 + 30)
+            # no bound on the whole call (a large model takes long): each tensor's wait is bounded by the gloo timeout
+            reports = await self._all("receive_weights", [(i,) for i in infos])
         except BaseException:
             self.active = False
             await self._quietly("abort_weight_update")
