@@ -337,11 +337,16 @@ def _check_against(path: str, found: Mapping[str, _Header], expected: Expected) 
                                     f"{list(expected[n].shape)}{more} (a checkpoint of another model size?)", n)
     for n, h in found.items():
         want = expected[n].dtype
-        ok = h.dtype in LOADABLE_FLOAT if want in _FLOAT else h.dtype == want
-        if not ok:
+        if not loadable_dtype(h.dtype, want):
             need = "/".join(LOADABLE_FLOAT) if want in _FLOAT else want
             raise CheckpointError(path, f"{n} has dtype {h.dtype}, which cannot be loaded into the model's {want} "
                                         f"(save it as {need})", n)
+
+
+def loadable_dtype(have: str, want: str) -> bool:
+    """Whether a tensor of safetensors dtype ``have`` loads into a model tensor of dtype ``want``: any float into a
+    float (converted on load), else only the same dtype."""
+    return have in LOADABLE_FLOAT if want in _FLOAT else have == want
 
 
 def _nonfinite(t: torch.Tensor) -> tuple[int, int]:

@@ -58,12 +58,11 @@ class GlooWeightSender:
         self.world_size: int | None = None
 
     # -- HTTP ------------------------------------------------------------------------------------------------
-    def call(self, method: str, route: str, body: dict | None = None, timeout: float | None = -1.0) -> dict:
-        """One route; a non-2xx answer raises WeightSendError quoting it. ``timeout`` -1: the default bound; None:
-        no bound (the answer to /update_weights comes once every tensor arrived, however long that takes; each
-        tensor's wait is bounded by the group's own timeout)."""
-        if timeout == -1.0:
-            timeout = self.timeout_s * 2 + 30
+    def call(self, method: str, route: str, body: dict | None = None, *, bounded: bool = True) -> dict:
+        """One route; a non-2xx answer raises WeightSendError quoting it. ``bounded=False``: no bound on the answer
+        (/update_weights answers once every tensor arrived, however long that takes; each tensor's wait is bounded
+        by the group's own timeout)."""
+        timeout = self.timeout_s * 2 + 30 if bounded else None
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.base_url + route, data=data, method=method,
                                          headers={"Content-Type": "application/json"})
@@ -78,9 +77,9 @@ class GlooWeightSender:
             raise WeightSendError(f"{method} {route}: {exc.reason}") from None
         return json.loads(text) if text.strip() else {}
 
-    def _post_meanwhile(self, route: str, body: dict, timeout: float | None = -1.0) -> tuple[ThreadPoolExecutor, Future]:
+    def _post_meanwhile(self, route: str, body: dict, *, bounded: bool = True) -> tuple[ThreadPoolExecutor, Future]:
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tito-weight-send")
-        return pool, pool.submit(self.call, "POST", route, body, timeout)
+        return pool, pool.submit(self.call, "POST", route, body, bounded=bounded)
 
     # -- the group -------------------------------------------------------------------------------------------
     def init(self) -> None:
@@ -128,7 +127,7 @@ class GlooWeightSender:
                 "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in items],
                 "shapes": [list(t.shape) for _, t in items]}
         self.call("POST", "/start_weight_update", {})
-        pool, answer = self._post_meanwhile("/update_weights", {"update_info": info}, None)
+        pool, answer = self._post_meanwhile("/update_weights", {"update_info": info}, bounded=False)
         outcome: dict[str, Any] = {}
 
         def push() -> None:

@@ -238,6 +238,12 @@ def validate_request(request: GenerateRequest, info: EngineInfo) -> None:
                           "stop_token_ids")
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """A Ray task error's original exception (its str is the message alone, not the remote traceback)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
 def decode_request(data: bytes | dict) -> GenerateRequest:
     """A request from JSON bytes or a dict, with msgspec's precise errors as EngineError
     (a missing ``max_tokens`` is named, not defaulted)."""

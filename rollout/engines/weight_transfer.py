@@ -33,8 +33,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from .checkpoint import LOADABLE_FLOAT, TensorSpec, dtype_name
-from .protocol import EngineError
+from .checkpoint import TensorSpec, dtype_name, loadable_dtype
+from .protocol import EngineError, Unsupported, root_cause
 
 WeightTransfer = Literal["none", "gloo", "nccl"]
 DEFAULT_TIMEOUT_S = 120.0
@@ -146,7 +146,7 @@ def metadata_problem(name: str, dtype: Any, shape: Sequence[int], expected: Mapp
         got = dtype_name(dtype)
     except ValueError:  # a torch dtype safetensors has no name for (complex, unsigned wide ints)
         got = str(dtype).removeprefix("torch.")
-    if spec.dtype in LOADABLE_FLOAT and got not in LOADABLE_FLOAT or spec.dtype not in LOADABLE_FLOAT and got != spec.dtype:
+    if not loadable_dtype(got, spec.dtype):
         return f"{name} has dtype {got}, which cannot be loaded into the model's {spec.dtype}"
     return None
 
@@ -184,12 +184,8 @@ class GlooReceiver:
         self.timeout_s = timeout_s
         self._group = None
         self._store = None
-        self.rank: int | None = None
         self.staged: dict[str, Any] | None = None  # None: no update active
-
-    @property
-    def joined(self) -> bool:
-        return self._group is not None
+        self._checked = False  # check() passed on what is staged (finish then takes it without a second scan)
 
     def join(self, info: GlooInitInfo) -> None:
         """Join the trainer's group as rank ``info.rank_offset`` (the caller set it for this engine). Raises
@@ -203,12 +199,11 @@ class GlooReceiver:
             store = dist.TCPStore(info.master_address, info.master_port, info.world_size, False, timeout=timeout)
             group = dist.ProcessGroupGloo(store, info.rank_offset, info.world_size, timeout)
         except Exception as exc:  # noqa: BLE001 - torch raises several types for a missing or dead peer
-            timed_out = "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower()
             raise TransferFailed(f"init_weight_transfer_engine: could not join the trainer's gloo group at {where} as "
                                  f"rank {info.rank_offset} of {info.world_size} within {self.timeout_s:g} s "
                                  f"({type(exc).__name__}: {_first_line(exc)}); is the trainer hosting its TCPStore "
-                                 "there?", timed_out) from None
-        self._store, self._group, self.rank = store, group, info.rank_offset
+                                 "there?", _timed_out(exc)) from None
+        self._store, self._group = store, group
 
     def start(self) -> None:
         if self._group is None:
@@ -217,7 +212,7 @@ class GlooReceiver:
         if self.staged is not None:
             raise TransferConflict("start_weight_update while a weight update is already active: finish it (POST "
                                    "/finish_weight_update) first")
-        self.staged = {}
+        self.staged, self._checked = {}, False
 
     def receive(self, info: UpdateInfo) -> dict[str, Any]:
         """Receive the tensors ``info`` announces into the staging copy. A tensor the model cannot take is still
@@ -235,15 +230,14 @@ class GlooReceiver:
                 self._group.broadcast(tensor, 0).wait()
             except Exception as exc:  # noqa: BLE001 - the peer is gone, or too slow
                 self.staged = None
-                text = _first_line(exc)
-                timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-                raise TransferFailed(f"update_weights: receiving {name} failed ({type(exc).__name__}: {text}); the "
-                                     "trainer died or stopped sending? The update is dropped and the weights served "
-                                     "before it stay", timed_out) from None
+                raise TransferFailed(f"update_weights: receiving {name} failed ({type(exc).__name__}: "
+                                     f"{_first_line(exc)}); the trainer died or stopped sending? The update is dropped "
+                                     "and the weights served before it stay", _timed_out(exc)) from None
             size += tensor.numel() * tensor.element_size()
             problem = problem or metadata_problem(name, dtype, shape, self.expected)
             if problem is None:
                 self.staged[name] = tensor
+                self._checked = False
         if problem is not None:
             self.staged = None
             raise TransferRefused(f"update_weights: {problem}; the update is dropped and the weights served before "
@@ -259,10 +253,13 @@ class GlooReceiver:
             self.staged = None
             raise TransferRefused(f"finish_weight_update: {problem}; the update is dropped and the weights served "
                                   "before it stay", "update_info")
+        self._checked = True
 
     def take(self) -> dict[str, Any]:
-        """The checked staging copy; the update ends."""
-        self.check()
+        """The checked staging copy (checked now unless :meth:`check` passed since the last tensor arrived); the
+        update ends."""
+        if not self._checked:
+            self.check()
         staged, self.staged = self.staged, None
         return staged
 
@@ -271,7 +268,7 @@ class GlooReceiver:
 
     def shutdown(self) -> None:
         self.staged = None
-        group, self._group, self._store, self.rank = self._group, None, None, None
+        group, self._group, self._store = self._group, None, None
         if group is not None:
             shutdown = getattr(group, "shutdown", None)
             if callable(shutdown):
@@ -279,6 +276,12 @@ class GlooReceiver:
                     shutdown()
                 except Exception:  # noqa: BLE001 - a group whose peer is gone may not shut down cleanly
                     pass
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a torch.distributed failure was a wait running out (its type or message says so)."""
+    text = f"{type(exc).__name__} {exc}".lower()
+    return "timed out" in text or "timeout" in text
 
 
 def _first_line(exc: BaseException) -> str:
@@ -319,8 +322,6 @@ class WireUpdates:
         self.joined = False
         self.active = False  # between a start and its finish (or the failure that ended it)
         self.busy: str | None = None  # the call being served (a receive can take long)
-        self.updates = 0
-        self.last: dict[str, float] = {}  # the last update's figures (seconds received, applied)
 
     @property
     def world_size(self) -> int:
@@ -328,7 +329,7 @@ class WireUpdates:
 
     def _check_on(self) -> None:
         if self.backend == "none":
-            raise TransferRefused("weight transfer is off: start with engine.weight_transfer: gloo (CPU) or nccl "
+            raise Unsupported("weight transfer is off: start with engine.weight_transfer: gloo (CPU) or nccl "
                                   "(vLLM on GPUs)")
 
     async def _all(self, op: str, per_engine: Sequence[tuple] | None = None, timeout_s: float | None = None) -> list:
@@ -375,7 +376,6 @@ class WireUpdates:
                                   "engines have no group yet")
         await self._all("start_weight_update")
         self.active = True
-        self.last = {"received_s": 0.0, "bytes": 0.0}
 
     async def receive(self, update_info: Any) -> dict:
         self._check_on()
@@ -387,22 +387,17 @@ class WireUpdates:
         try:
             infos = self._per_engine(update_info)
         except TransferRefused:  # as vLLM's worker: a refused update_weights ends the update
-            self.active = False
-            await self._quietly("abort_weight_update")
+            await self.abort()
             raise
         self.busy = "update_weights"
-        t0 = time.perf_counter()
         try:
             # no bound on the whole call (a large model takes long): each tensor's wait is bounded by the gloo timeout
             reports = await self._all("receive_weights", [(i,) for i in infos])
         except BaseException:
-            self.active = False
-            await self._quietly("abort_weight_update")
+            await self.abort()
             raise
         finally:
             self.busy = None
-        self.last["received_s"] += time.perf_counter() - t0
-        self.last["bytes"] += float(reports[0].get("bytes", 0))
         return reports[0]
 
     def _per_engine(self, update_info: Any) -> list[dict]:
@@ -430,13 +425,11 @@ class WireUpdates:
             try:
                 await self._all("check_weight_update")
             except BaseException:
-                await self._quietly("abort_weight_update")
+                await self.abort()
                 raise
             t0 = time.perf_counter()
             await self._all("finish_weight_update", [(version,)] * len(self.engines))
-            self.last["applied_s"] = time.perf_counter() - t0
-            self.updates += 1
-            return self.last["applied_s"]
+            return time.perf_counter() - t0
         finally:
             self.active = False
             self.busy = None
@@ -457,6 +450,11 @@ class WireUpdates:
     async def reset(self) -> None:
         await self._all("reset_weights")
 
+    async def abort(self) -> None:
+        """Drop the update in progress on every engine (what they staged); the served weights stay."""
+        self.active = False
+        await self._quietly("abort_weight_update")
+
     async def _quietly(self, op: str) -> None:
         await asyncio.gather(*(e.weight_transfer(op) for e in self.engines), return_exceptions=True)
 
@@ -466,5 +464,4 @@ def _cause(exc: BaseException, op: str, timeout_s: float | None) -> BaseExceptio
     if isinstance(exc, asyncio.TimeoutError):
         return TransferFailed(f"{op}: an engine did not answer within {timeout_s:g} s (engine.weight_transfer_"
                               "timeout_s); the update is dropped and the weights served before it stay", True)
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
+    return root_cause(exc)

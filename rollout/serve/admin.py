@@ -23,10 +23,11 @@ from starlette.responses import PlainTextResponse, Response
 
 from ..engines.checkpoint import CheckpointError
 from ..engines.lora import AdapterError, adapter_step
+from ..engines.protocol import root_cause
 from . import calls, weight_routes
-from .calls import json_response, root_cause
+from .calls import json_response
 from .fleet import EngineAsleep
-from .schemas import BadRequest, Conflict, NotFound, decode
+from .schemas import BadRequest, Conflict, NotFound
 from .state import ServerState
 
 PauseMode = Literal["wait", "abort", "keep"]
@@ -72,12 +73,6 @@ class ResetPrefixCacheBody(msgspec.Struct, forbid_unknown_fields=True):
     reset_external: bool | None = None
 
 
-async def _body(state: ServerState, request: Request, type_: type) -> msgspec.Struct:
-    """The JSON body as ``type_``; an empty body (or ``{}``) is all defaults."""
-    raw = await calls.read_body(state, request)
-    return decode(raw, type_) if raw.strip() else type_()
-
-
 def _query_bool(request: Request, name: str) -> bool | None:
     value = request.query_params.get(name)
     if value is None:
@@ -112,7 +107,7 @@ async def pause(state: ServerState, request: Request) -> Response:
     "abort" (vLLM's default: abort them) or "keep" (leave them running). ``clear_cache=true`` also drops the
     engines' cached KV once they are drained (vLLM's default is true; tito's false: its caches are salted by
     weight version, so no stale KV is ever reused)."""
-    body: PauseBody = await _body(state, request, PauseBody)
+    body: PauseBody = await calls.read_struct(state, request, PauseBody)
     mode = request.query_params.get("mode") or body.mode
     if mode is None and body.wait_for_inflight_request is not None:
         mode = "wait" if body.wait_for_inflight_request else "abort"
@@ -145,7 +140,7 @@ async def update_weights(state: ServerState, request: Request) -> Response:
     weight files, and pass one engine's checkpoint validation (400 naming the problem and the tensor) before any
     engine pauses: a refused checkpoint leaves every engine serving its weights and version."""
     called = time.perf_counter()
-    body: UpdateWeightsBody = await _body(state, request, UpdateWeightsBody)
+    body: UpdateWeightsBody = await calls.read_struct(state, request, UpdateWeightsBody)
     if body.update_info is not None:  # vLLM's weight-transfer form: tensors over the trainer's group
         if body.weight_dir is not None:
             raise BadRequest("send weight_dir (a checkpoint) or update_info (tensors over the weight-transfer group), "
@@ -227,7 +222,7 @@ async def load_lora_adapter(state: ServerState, request: Request) -> Response:
     engine serves it as ``model: <lora_name>``. Its version: N for a ``step_N`` directory, else the previous + 1
     (0 at first). vLLM's answers: 400 for a missing name or path, a name taken by the base model, or a name loaded
     already without ``load_inplace``; 200 with its text (prime-rl's route: ``{"status": "ok"}``)."""
-    body: LoadLoraBody = await _body(state, request, LoadLoraBody)
+    body: LoadLoraBody = await calls.read_struct(state, request, LoadLoraBody)
     prime_rl = request.url.path == "/load_lora_adapter"
     if not body.lora_name or not body.lora_path:
         raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
@@ -257,7 +252,7 @@ async def load_lora_adapter(state: ServerState, request: Request) -> Response:
 
 async def unload_lora_adapter(state: ServerState, request: Request) -> Response:
     """vLLM's ``/v1/unload_lora_adapter``: 404 for a name not loaded; requests already running with it finish."""
-    body: UnloadLoraBody = await _body(state, request, UnloadLoraBody)
+    body: UnloadLoraBody = await calls.read_struct(state, request, UnloadLoraBody)
     if not body.lora_name:
         raise BadRequest("'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
     if body.lora_name not in state.loras:
@@ -303,7 +298,7 @@ async def server_info(state: ServerState, request: Request) -> Response:
 async def reset_prefix_cache(state: ServerState, request: Request) -> Response:
     """Every engine drops its cached KV (embedded: the session KV; vLLM: AsyncLLM.reset_prefix_cache).
     ``{"success": false}`` as vLLM answers when blocks were still held by running requests."""
-    body: ResetPrefixCacheBody = await _body(state, request, ResetPrefixCacheBody)
+    body: ResetPrefixCacheBody = await calls.read_struct(state, request, ResetPrefixCacheBody)
     running = _query_bool(request, "reset_running_requests")
     running = bool(body.reset_running_requests if running is None else running)
     external = _query_bool(request, "reset_external")
@@ -317,7 +312,7 @@ async def reset_prefix_cache(state: ServerState, request: Request) -> Response:
 async def sleep(state: ServerState, request: Request) -> Response:
     """Free every engine's weights and KV (``level`` 1 or 2, as vLLM's); requests get 503 until /wake_up.
     ``mode``: "abort" (vLLM's default) or "wait" for the running requests."""
-    body: SleepBody = await _body(state, request, SleepBody)
+    body: SleepBody = await calls.read_struct(state, request, SleepBody)
     level = _query_int(request, "level")
     level = body.level if level is None else level
     level = 1 if level is None else level
@@ -337,7 +332,7 @@ async def sleep(state: ServerState, request: Request) -> Response:
 async def wake_up(state: ServerState, request: Request) -> Response:
     """Reload every engine's weights (all of them: ``tags`` are accepted as vLLM's and echoed, and tito
     wakes weights and KV together)."""
-    body: WakeUpBody = await _body(state, request, WakeUpBody)
+    body: WakeUpBody = await calls.read_struct(state, request, WakeUpBody)
     tags = request.query_params.getlist("tags") or body.tags or None
     await state.fleet.wake_up(tags)
     return json_response({"status": "awake", "tags": tags})

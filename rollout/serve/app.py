@@ -27,9 +27,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from ..engines.protocol import EngineError, GenerateOutput, GenerateRequest, Unsupported
+from ..engines.protocol import EngineError, GenerateOutput, GenerateRequest, Unsupported, root_cause
 from . import admin, calls, weight_routes
-from .calls import ClientGone, error_response, json_response, root_cause
+from .calls import ClientGone, error_response, json_response
 from .chat_session import SESSION_END, end_session, evict_over_budget
 from .fleet import DuplicateRequest, EngineUnavailable
 from .guard import Guard

@@ -24,7 +24,7 @@ from ..engines.protocol import (
     validate_request,
 )
 from ..engines.streaming import StreamDelta
-from .schemas import BadRequest, Conflict, NotFound, PromptTokensDetails, Timing, TooLarge, Usage
+from .schemas import BadRequest, Conflict, NotFound, PromptTokensDetails, Timing, TooLarge, Usage, decode
 from .state import ServerState
 from .stops import TextStream
 
@@ -48,10 +48,11 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
     return json_response({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
-def root_cause(exc: BaseException) -> BaseException:
-    """A Ray task error's original exception (its str is the message alone, not the remote traceback)."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
+async def read_struct(state: ServerState, request: Request, type_: type) -> Any:
+    """The JSON body (:func:`read_body`) as ``type_``; an empty body is ``{}`` (all defaults; a required field is
+    named missing)."""
+    raw = await read_body(state, request)
+    return decode(raw if raw.strip() else b"{}", type_)
 
 
 async def read_body(state: ServerState, request: Request) -> bytes:

@@ -459,9 +459,7 @@ class Fleet:
             self.weight_dir, self.weights_from_wire = None, True
 
     async def abort_wire_update(self) -> None:
-        wire = await self.wire_updates()
-        wire.active = False
-        await wire._quietly("abort_weight_update")
+        await (await self.wire_updates()).abort()
 
     async def relabel_version(self, version: int) -> None:
         """Later tokens carry ``version``; the weights stay (vLLM's /update_weight_version)."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from ..engines.protocol import root_cause
 from ..engines.streaming import StreamDelta
 from . import calls
 from .logprobs import chat_logprobs, completion_logprobs
@@ -29,7 +30,7 @@ from .state import ServerState
 
 
 def _error_event(exc: BaseException) -> bytes:
-    cause = calls.root_cause(exc)
+    cause = root_cause(exc)
     status = getattr(cause, "status", 400 if isinstance(cause, ValueError) else 500)
     return event({"error": {"message": str(cause), "type": type(cause).__name__, "param": getattr(cause, "param", None),
                             "code": status}})

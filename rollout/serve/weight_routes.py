@@ -26,7 +26,7 @@ from ..engines.weight_transfer import TransferConflict, TransferFailed, Transfer
 from . import calls
 from .calls import json_response
 from .fleet import EngineAsleep
-from .schemas import BadRequest, Conflict, decode
+from .schemas import BadRequest, Conflict
 from .state import ServerState
 
 
@@ -51,11 +51,6 @@ class CheckerBody(msgspec.Struct, forbid_unknown_fields=True):
     baseline: dict[str, str] | None = None
 
 
-async def _body(state: ServerState, request: Request, type_: type) -> Any:
-    raw = await calls.read_body(state, request)
-    return decode(raw, type_) if raw.strip() else decode(b"{}", type_)
-
-
 async def _wire(state: ServerState) -> WireUpdates:
     fleet = state.fleet
     if fleet.sleep_level:
@@ -70,14 +65,13 @@ def _failure(exc: BaseException) -> Response:
 
 
 async def _guarded(call) -> Response | None:
-    """Run a WireUpdates call; its refusals as the server's errors (BadRequest / Conflict), its failures as 502/504."""
+    """Run a WireUpdates call; its refusals as the server's errors (BadRequest / Conflict), its failures as 502/504
+    (Unsupported, weight transfer off, goes on to the server's 501)."""
     try:
         await call
     except TransferConflict as exc:
         raise Conflict(str(exc), exc.param) from None
     except TransferRefused as exc:
-        if str(exc).startswith("weight transfer is off"):
-            return calls.error_response(501, str(exc), "NotImplementedError")
         raise BadRequest(str(exc), exc.param) from None
     except TransferFailed as exc:
         return _failure(exc)
@@ -86,7 +80,7 @@ async def _guarded(call) -> Response | None:
 
 async def init_weight_transfer_engine(state: ServerState, request: Request) -> Response:
     """Every engine joins the trainer's group (rank ``rank_offset`` + its place); answers once all did."""
-    body: InitBody = await _body(state, request, InitBody)
+    body: InitBody = await calls.read_struct(state, request, InitBody)
     wire = await _wire(state)
     failed = await _guarded(wire.init(body.init_info))
     return failed or json_response({"message": "Weight transfer initialized"})
@@ -101,7 +95,7 @@ async def shutdown_weight_transfer_engine(state: ServerState, request: Request) 
 async def start_weight_update(state: ServerState, request: Request) -> Response:
     """Begin an update: every engine opens a staging copy. Nothing pauses: requests keep running on the served
     weights until ``finish`` swaps the new ones in between two steps (a trainer may still /pause around it)."""
-    body: StartBody = await _body(state, request, StartBody)
+    body: StartBody = await calls.read_struct(state, request, StartBody)
     if not body.is_checkpoint_format:
         raise BadRequest("is_checkpoint_format: false (kernel-format tensors) cannot be received: send the "
                          "checkpoint (Hugging Face) names and shapes", "is_checkpoint_format")
@@ -124,7 +118,7 @@ async def finish_weight_update(state: ServerState, request: Request) -> Response
     """Check what arrived on every engine, then swap it in and publish ``weight_version`` (None: the current + 1;
     it must be above the current, 409). A refused check changes nothing and the version stays."""
     called = time.perf_counter()
-    body: FinishBody = await _body(state, request, FinishBody)
+    body: FinishBody = await calls.read_struct(state, request, FinishBody)
     await _wire(state)  # asleep: 503 before anything
     try:
         asked = parse_version(body.weight_version)
@@ -149,7 +143,7 @@ async def finish_weight_update(state: ServerState, request: Request) -> Response
 async def update_weight_version(state: ServerState, request: Request) -> Response:
     """Relabel the served weights (vLLM's): later tokens carry ``new_version``, which may not go below the current
     one (every sampled token's version only grows)."""
-    body: VersionBody = await _body(state, request, VersionBody)
+    body: VersionBody = await calls.read_struct(state, request, VersionBody)
     try:
         version = parse_version(body.new_version, "new_version")
     except TransferRefused as exc:
@@ -170,7 +164,7 @@ async def weight_info(state: ServerState, request: Request) -> Response:
 async def weight_checker(state: ServerState, request: Request) -> Response:
     """vLLM's: ``checksum`` (sha256 of each parameter as every engine holds it), ``compare`` against a ``baseline``
     of such checksums, ``reset`` (zero every parameter: to prove an update covers them all)."""
-    body: CheckerBody = await _body(state, request, CheckerBody)
+    body: CheckerBody = await calls.read_struct(state, request, CheckerBody)
     fleet = state.fleet
     wire = await _wire(state)
     if body.action == "reset":
@@ -202,7 +196,7 @@ SKYRL_STEPS = ("skyrl_start_weight_update", "update_weights_nccl", "skyrl_finish
 async def collective_rpc(state: ServerState, request: Request) -> Response:
     """vLLM's ``/collective_rpc {method, args, kwargs}`` for the weight-sync methods SkyRL sends (SKYRL_STEPS), answered
     ``{results: [one per inference worker]}`` as vLLM answers; any other method is a 400 naming those."""
-    body: CollectiveRpcBody = await _body(state, request, CollectiveRpcBody)
+    body: CollectiveRpcBody = await calls.read_struct(state, request, CollectiveRpcBody)
     if body.method is None:
         raise BadRequest("Missing 'method' in request body", "method")
     if body.method not in SKYRL_STEPS:
