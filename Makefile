@@ -17,7 +17,8 @@ E2E_TESTS := tests/test_clients_rl.py tests/test_follow_cli.py tests/test_follow
 	tests/test_progress.py tests/test_demo.py tests/test_export.py tests/test_serve_admin.py tests/test_identity.py \
 	tests/test_output_readers.py tests/test_run.py tests/test_cli.py tests/test_serve_embedded.py \
 	tests/test_follow.py tests/test_follow_status.py tests/test_prime_rl_format.py tests/test_serve_lora.py tests/test_follow_lora.py \
-	tests/test_engine_heal.py tests/test_follow_faults.py tests/test_bounded_waits.py tests/test_env_faults.py tests/test_follow_eval.py tests/test_env_verifiers.py
+	tests/test_engine_heal.py tests/test_follow_faults.py tests/test_bounded_waits.py tests/test_env_faults.py tests/test_follow_eval.py tests/test_env_verifiers.py \
+	tests/test_follow_wire.py
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.tito-installed
 export HF_HUB_OFFLINE := 1

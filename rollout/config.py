@@ -228,6 +228,22 @@ class FollowConfig(_Strict):
         "rollouts/step_k/rank_<r>.bin (msgspec micro batches, packed by follow.prime_rl), before the batch seals"))
     prime_rl: PrimeRLConfig = Field(default_factory=PrimeRLConfig)
     eval: EvalConfig | None = Field(None, description="held-out evaluation at every eval.every-th version; none: off")
+    weights: Literal["files", "wire"] = Field("files", description=(
+        "files: load the checkpoints the trainer writes to RUN_DIR/broadcasts/step_N (STABLE last); wire: the "
+        "trainer pushes tensors over vLLM's weight-transfer routes, served on follow.listen (needs "
+        "engine.weight_transfer: gloo; docs/follow.md \"Weights over the wire\")"))
+    listen: str = Field("127.0.0.1:8011", description=(
+        "follow.weights: wire: HOST:PORT of the weight-transfer routes (loopback by default; port 0: any free one, "
+        "named in the log and status.json); their admin routes take TITO_ADMIN_API_KEY when it is set"))
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"follow.listen must be HOST:PORT (e.g. 127.0.0.1:8011; port 0: any free one), got "
+                             f"{value!r}")
+        return value
 
 
 class RayConfig(_Strict):
@@ -257,6 +273,9 @@ class RunConfig(_Strict):
     def _budgets(self) -> RunConfig:
         if self.max_tokens_per_turn > self.max_tokens_per_rollout:
             raise ValueError("max_tokens_per_turn must not exceed max_tokens_per_rollout")
+        if self.follow.weights == "wire" and self.engine.weight_transfer == "none":
+            raise ValueError("follow.weights: wire needs the engines to receive tensors: set engine.weight_transfer: "
+                             "gloo (the trainer then sends with rollout.engines.gloo_sender.GlooWeightSender)")
         return self
 
 

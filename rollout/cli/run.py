@@ -182,6 +182,11 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
                          "or choose another output.dir")
     local_ray = not cfg.ray.address and not ray.is_initialized()
     engine_cpus, cpu_note = startup.preflight(cfg, out_dir)  # a run that cannot start says so in seconds
+    listener = None
+    if follow is not None and cfg.follow.weights == "wire":  # a port in use is named before any engine loads
+        from ..follow.wire import bind_listener
+
+        listener = bind_listener(cfg.follow.listen)
     env = make_env(cfg.env.name, **cfg.env.options)
     if cfg.tasks.path:  # a bad or repeated row is named (file and line) before the model is loaded
         tasks = load_tasks(cfg.tasks.path).tasks[: cfg.tasks.count]
@@ -257,7 +262,7 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
 
                 async def serve_batches() -> int:  # built on the loop that runs it (asyncio primitives)
                     return await FollowService(cfg, follow, driver, engines, renderer_actors, tasks, config=config,
-                                               eval_tasks=eval_tasks,
+                                               eval_tasks=eval_tasks, listener=listener,
                                                renderer_info=rinfo).run()
 
                 asyncio.run(_drive(serve_batches(), signals))
@@ -288,6 +293,8 @@ def run(cfg: RunConfig, placement: Placement, *, resume: bool = False, progress:
             from ..follow.service import recover
 
             placement.stop([*engines, *renderer_actors])
+            if listener is not None:
+                listener.close()
             # what the renderers flushed into batches that were never sealed is removed: a trainer never sees it
             summary = {"run_dir": str(follow), "sealed": recover(follow), "wall_s": round(wall_s, 3),
                        "startup_s": round(startup_s, 3), "resumed_turns": driver.resumed_turns if driver else 0,

@@ -24,11 +24,13 @@ one vLLM server with N data-parallel ranks (tito serve's routes and the follow s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import hashlib
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal
 
 import msgspec
@@ -412,9 +414,10 @@ class WireUpdates:
             return infos
         return [msgspec.structs.asdict(parse_update_info(update_info))] * len(self.engines)
 
-    async def finish(self, version: int) -> float:
+    async def finish(self, version: int, hold: Callable[[], AbstractAsyncContextManager] | None = None) -> float:
         """Check every engine's staging, then swap it in everywhere under ``version``; returns the seconds the
-        swap took (the pause). On a refused check nothing is swapped anywhere."""
+        swap took (the pause). On a refused check nothing is swapped anywhere. ``hold``: a context the swap runs
+        in, entered only once the check passed (follow mode stops its requests there, as for a checkpoint)."""
         self._check_on()
         if not self.active:
             raise TransferRefused("finish_weight_update without a matching start_weight_update")
@@ -428,7 +431,8 @@ class WireUpdates:
                 await self.abort()
                 raise
             t0 = time.perf_counter()
-            await self._all("finish_weight_update", [(version,)] * len(self.engines))
+            async with hold() if hold is not None else contextlib.nullcontext():
+                await self._all("finish_weight_update", [(version,)] * len(self.engines))
             return time.perf_counter() - t0
         finally:
             self.active = False

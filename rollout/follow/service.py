@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import random
 import shutil
+import socket
 import stat
 import statistics
 import sys
@@ -241,6 +242,11 @@ class WeightFollower:
             self._error(f"{marker} was {'removed' if now is None else 'rewritten'} after version {n} was loaded: "
                         "the engines keep the weights they validated and loaded (a version is loaded once)")
 
+    def pending_what(self, n: int, phase: str) -> str:
+        """status.json's ``waiting_for`` while version ``n`` is in ``phase`` (validating | loading)."""
+        verb = "validated" if phase == "validating" else "loaded into every engine"
+        return f"{layout.broadcast_dir(self.run_dir, n)} to be {verb}"
+
     async def watch(self) -> None:
         while True:
             await self.poll_once()
@@ -436,7 +442,7 @@ class FollowService:
     def __init__(self, cfg: RunConfig, run_dir: Path, driver: RolloutDriver, engines: Sequence[EngineHandle],
                  renderers: Sequence[RendererHandle], tasks: Sequence[Task], *, config: dict[str, Any],
                  renderer_info: dict[str, Any], log: Callable[[str], None] | None = None,
-                 eval_tasks: Sequence[Task] | None = None) -> None:
+                 eval_tasks: Sequence[Task] | None = None, listener: socket.socket | None = None) -> None:
         self.cfg = cfg
         self.follow = cfg.follow
         self.run_dir = Path(run_dir)
@@ -448,10 +454,19 @@ class FollowService:
         self.config = config
         self.renderer_info = renderer_info
         self.log = log or (lambda line: print(f"tito run --follow: {line}", file=sys.stderr, flush=True))
-        self.weights = WeightFollower(self.run_dir, engines, driver, inflight=self.follow.inflight,
-                                      poll_interval_s=self.follow.poll_interval_s, log=self.log,
-                                      keep_broadcasts=self.follow.keep_broadcasts,
-                                      load_timeout_s=self.follow.load_timeout_s)
+        if self.follow.weights == "wire":  # the trainer pushes tensors to the routes on follow.listen
+            from .wire import WireFollower, bind_listener
+
+            self.weights: WeightFollower = WireFollower(
+                self.run_dir, engines, driver, inflight=self.follow.inflight, log=self.log,
+                listener=listener if listener is not None else bind_listener(self.follow.listen),
+                backend=cfg.engine.weight_transfer, timeout_s=cfg.engine.weight_transfer_timeout_s,
+                load_timeout_s=self.follow.load_timeout_s)
+        else:
+            self.weights = WeightFollower(self.run_dir, engines, driver, inflight=self.follow.inflight,
+                                          poll_interval_s=self.follow.poll_interval_s, log=self.log,
+                                          keep_broadcasts=self.follow.keep_broadcasts,
+                                          load_timeout_s=self.follow.load_timeout_s)
         # a lost engine is named in this log and comes back on the version the others hold
         driver.log = self.log
         driver.healer.bring_up = self.weights.bring_up
@@ -673,8 +688,7 @@ class FollowService:
         waiting_for = None
         if w.phase is not None and w.phase_of is not None:
             n, since = w.phase_of
-            verb = "validated" if w.phase == "validating" else "loaded into every engine"
-            waiting_for = {"what": f"{layout.broadcast_dir(self.run_dir, n)} to be {verb}", "since": round(since, 3)}
+            waiting_for = {"what": w.pending_what(n, w.phase), "since": round(since, 3)}
         elif sampling:
             waiting_for = {"what": f"the rollouts of batch {sampling[0]}",
                            "since": round(self._admitted_at.get(sampling[0], now), 3)}
@@ -708,6 +722,7 @@ class FollowService:
             "waiting_for": waiting_for, "last_error": _latest(w.last_error, self._loss_error()),
             "run_dir": str(self.run_dir), "argv": list(sys.argv),
             "max_steps": self.last_step, "max_off_policy_steps": self.follow.max_off_policy_steps,
+            "weights": self.follow.weights, "weights_url": getattr(w, "listen_url", None),
             # what counts as progress (status.py: progressed_at moves when it changes)
             "progress": (self.sealed, len(admitted), sum(self.driver.finish_counts.values()), w.version),
         }

@@ -279,7 +279,7 @@ async def chat(state: ServerState, request: Request) -> Response:
 Handler = Callable[[ServerState, Request], Awaitable[Response]]
 
 
-def _wrap(state: ServerState, name: str, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+def wrap_route(state: ServerState, name: str, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     m = state.metrics
 
     async def endpoint(request: Request) -> Response:
@@ -327,6 +327,21 @@ def _wrap(state: ServerState, name: str, handler: Handler) -> Callable[[Request]
         return response
 
     return endpoint
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Unknown routes and wrong methods, in the same JSON shape as every other error."""
+    status = getattr(exc, "status_code", 500)
+    if status == 404:
+        return error_response(404, f"no route {request.url.path!r}", "NotFoundError", None)
+    if status == 405:
+        response = error_response(405, f"{request.method} is not allowed on {request.url.path!r}",
+                                  "MethodNotAllowedError", None)
+        allow = getattr(exc, "headers", None) or {}
+        if "Allow" in allow:
+            response.headers["Allow"] = allow["Allow"]
+        return response
+    return error_response(status, str(getattr(exc, "detail", exc)), "HTTPError", None)
 
 
 def create_app(state: ServerState) -> Starlette:
@@ -380,21 +395,7 @@ def create_app(state: ServerState) -> Starlette:
                 heal.cancel()
                 await healer.close()
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        # unknown routes and wrong methods answer in the same JSON shape as every other error
-        status = getattr(exc, "status_code", 500)
-        if status == 404:
-            return error_response(404, f"no route {request.url.path!r}", "NotFoundError", None)
-        if status == 405:
-            response = error_response(405, f"{request.method} is not allowed on {request.url.path!r}",
-                              "MethodNotAllowedError", None)
-            allow = getattr(exc, "headers", None) or {}
-            if "Allow" in allow:
-                response.headers["Allow"] = allow["Allow"]
-            return response
-        return error_response(status, str(getattr(exc, "detail", exc)), "HTTPError", None)
-
     guard = Middleware(Guard, api_key=state.api_key, admin_api_key=state.admin_api_key,
                        body_timeout_s=state.body_timeout_s)
-    return Starlette(routes=[Route(path, _wrap(state, path, fn), methods=methods) for path, fn, methods in routes],
+    return Starlette(routes=[Route(path, wrap_route(state, path, fn), methods=methods) for path, fn, methods in routes],
                      lifespan=lifespan, exception_handlers={HTTPException: http_error}, middleware=[guard])
