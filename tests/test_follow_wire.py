@@ -20,8 +20,16 @@ from rollout.config import RunConfig
 from rollout.data import layout, load_samples
 from rollout.engines.protocol import close_backend
 
-from .test_follow import Harness, _config, _forward_logprobs, _perturbed, _tasks, _turns_under_way, base_state  # noqa: F401
-from .test_follow import model_path  # noqa: F401 - fixtures
+from .test_follow import (  # noqa: F401
+    Harness,
+    _config,
+    _forward_logprobs,
+    _perturbed,
+    _tasks,
+    _turns_under_way,
+    base_state,  # fixtures
+    model_path,
+)
 
 TIMEOUT_S = 30.0
 
@@ -33,10 +41,10 @@ def _wire_config(tokens: int = 24, **follow) -> RunConfig:
     return RunConfig.model_validate(cfg)
 
 
-def _engine(model_path: str):
+def _engine(path: str):
     from rollout.engines.embedded import EmbeddedEngine
 
-    return EmbeddedEngine(model_path, threads=1, max_batch=8, fetch=False, weight_transfer="gloo",
+    return EmbeddedEngine(path, threads=1, max_batch=8, fetch=False, weight_transfer="gloo",
                           weight_transfer_timeout_s=TIMEOUT_S)
 
 
