@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 VENV_VLLM ?= .venv-vllm
 VLLM_STAMP := $(VENV_VLLM)/.tito-installed
 # the tests that run real vLLM; with TITO_REQUIRE_VLLM=1 a missing prerequisite fails them instead of skipping
-VLLM_TESTS := tests/test_vllm_real.py tests/test_vllm_follow.py tests/test_vllm_run.py tests/test_vllm_serve.py tests/test_vllm_admin.py tests/test_vllm_lora.py
+VLLM_TESTS := tests/test_vllm_real.py tests/test_vllm_follow.py tests/test_vllm_run.py tests/test_vllm_serve.py tests/test_vllm_admin.py tests/test_vllm_lora.py tests/test_vllm_weight_transfer.py
 # end-to-end tests: kept out of `make test` so that it stays under 15 minutes on 2 cores
 E2E_TESTS := tests/test_clients_rl.py tests/test_follow_cli.py tests/test_follow_status_e2e.py tests/test_coexist.py tests/test_run_signals.py tests/test_launch.py \
 	tests/test_weight_transfer.py tests/test_scale_out.py tests/test_serve_ray_death.py tests/test_serve_security.py tests/test_run_failfast.py \

@@ -125,10 +125,10 @@ def check_weight_transfer(engine: EngineConfig) -> None:
             raise ValueError("engine.weight_transfer: nccl needs CUDA GPUs and this vLLM is its CPU build: NCCL "
                              "moves tensors between GPUs only; use the embedded engine with "
                              "engine.weight_transfer: gloo on CPU")
-        # not built yet (issue 42): vLLM's engine core would have to stage and swap as the embedded engine does
-        raise ValueError(f"engine.weight_transfer: {choice} is not yet available on the vllm backend in tito: only the "
-                         "embedded engine receives weights over the wire (gloo); on vLLM send checkpoints "
-                         "(/update_weights weight_dir)")
+        if choice == "nccl":  # vLLM's own NCCL engine behind tito's routes: not wired yet (issue 42)
+            raise ValueError("engine.weight_transfer: nccl is not yet available on the vllm backend in tito: use "
+                             "gloo (received by tito's engine actor, swapped in by vLLM's in-place reload), or send "
+                             "checkpoints (/update_weights weight_dir)")
 
 
 def check_engine_options(backend: str, options: Mapping[str, Any], key: str = "engine.options") -> None:

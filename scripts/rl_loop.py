@@ -19,6 +19,13 @@ MLP) on the frozen base and publishes only the adapter each step (``publish_adap
 + ``adapter_config.json``, what prime-rl's LoRA runs write): the service loads it as that version of its adapter
 and samples the next batches with it; the evaluation scores the base and base + the last adapter.
 
+``--weights gloo`` sends each step's weights over a gloo group instead of writing a checkpoint (what TRL, SkyRL and
+vLLM's own RL examples do with NCCL on GPUs): the service runs with ``follow.weights: wire`` and
+``engine.weight_transfer: gloo`` and listens on loopback (``--listen-port``, 0: a free one); the trainer sends with
+``rollout.engines.gloo_sender.GlooWeightSender`` (``send(model.named_parameters(), version=k)``). Nothing lands in
+``broadcasts/``; the final weights are written once, to ``RUN_DIR/trained/``, for the evaluation. Such a run cannot
+be resumed (the weights lived only in the service's engines), nor combined with ``--lora``.
+
 ``--no-service`` trains on batches that something else writes (another ``tito run --follow``, or
 step directories made by hand with ``tito run CONFIG --out RUN_DIR/rollouts/step_k``). A RUN_DIR that
 already holds published weights is resumed at ``latest_version + 1`` (the service resumes likewise).
@@ -41,6 +48,7 @@ import inspect
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -68,11 +76,17 @@ TRAINER_LOG = "trainer.jsonl"
 
 def train(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, *, max_off_policy: int,
           timeout: float, layout: str = "prefix", budget: int = 1024, eps: float = 0.2,
-          sampling: dict[str, float] | None = None, lora: bool = False) -> None:
+          sampling: dict[str, float] | None = None, lora: bool = False, sender: Any = None) -> None:
     """The trainer: one GRPO step per sealed batch, each published as the next weight version. ``sampling``
     (temperature, top_p, top_k of the service) makes the new logprobs those of the distribution sampled from.
-    ``lora``: ``model`` is a peft model; only its adapter is published."""
-    publish = publish_adapter if lora else publish_weights
+    ``lora``: ``model`` is a peft model; only its adapter is published. ``sender``: a joined GlooWeightSender,
+    which sends the weights to the service instead of a checkpoint."""
+    def publish(run_dir: Path, k: int, model: torch.nn.Module) -> None:
+        if sender is not None:
+            sender.send([(n, p.detach()) for n, p in model.named_parameters()], version=k)
+        else:
+            (publish_adapter if lora else publish_weights)(run_dir, k, model)
+
     for k in range(latest_version(run_dir) + 1, steps + 1):
         t0 = time.monotonic()
         batch = read_step(run_dir, k, timeout=timeout, min_weight_version=k - 1 - max_off_policy)  # waits
@@ -91,7 +105,7 @@ def train(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, ste
             opt.step()
             opt.zero_grad()
         t2 = time.monotonic()
-        publish(run_dir, k, model)                             # broadcasts/step_k/, STABLE last
+        publish(run_dir, k, model)                             # broadcasts/step_k/ (STABLE last), or gloo
         log_step(run_dir, k, batch.samples, trained, ratios, eps,
                  wait_s=t1 - t0, train_s=t2 - t1, publish_s=time.monotonic() - t2)
 
@@ -183,6 +197,37 @@ def log_step(run_dir: Path, k: int, samples: Sequence[Sample], trained: Sequence
 def tito_command() -> list[str]:
     exe = Path(sys.executable).with_name("tito")
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "actors.cli"]
+
+
+def free_port() -> int:
+    """A port free now on loopback (another process could take it before the service binds it: the service then
+    says so in one line and this script stops)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gloo_sender(url: str, timeout_s: float) -> Any:
+    """A GlooWeightSender joined to the service's engines: ``/health`` polled until the service is up (it loads its
+    engines first), then ``init()``."""
+    import urllib.error
+    import urllib.request
+
+    from rollout.engines.gloo_sender import GlooWeightSender
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=10) as answer:
+                if answer.status == 200:
+                    break
+        except (urllib.error.URLError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+    sender = GlooWeightSender(url, timeout_s=120.0, api_key=os.environ.get("TITO_ADMIN_API_KEY"))
+    sender.init()
+    return sender
 
 
 def start_service(config: str, run_dir: Path, steps: int, overrides: Sequence[str]) -> subprocess.Popen:
@@ -364,7 +409,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora", action="store_true", help="train a LoRA adapter; publish only the adapter")
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--lora-alpha", type=float, default=16.0)
+    ap.add_argument("--weights", choices=("files", "gloo"), default="files",
+                    help="how the trainer's weights reach the service: checkpoints in RUN_DIR/broadcasts, or gloo")
+    ap.add_argument("--listen-port", type=int, default=0, help="--weights gloo: the service's port (0: a free one)")
     args = ap.parse_args(argv)
+    if args.weights == "gloo":
+        if args.lora or args.no_service:
+            ap.error("--weights gloo sends full weights to the service this script starts: not with --lora or "
+                     "--no-service")
+        port = args.listen_port or free_port()
+        args.set = [*args.set, "engine.weight_transfer=gloo", "follow.weights=wire",
+                    f"follow.listen=127.0.0.1:{port}"]
+        if (Path(args.run_dir) / "rollouts").exists() and any((Path(args.run_dir) / "rollouts").iterdir()):
+            ap.error(f"--weights gloo cannot resume {args.run_dir}: the weights it trained lived only in the "
+                     "service's engines; use a new RUN_DIR")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
@@ -386,11 +444,17 @@ def main(argv: list[str] | None = None) -> int:
             model = load_causal_lm(str(broadcast_dir(run_dir, start)) if start else cfg.model).train()
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)  # resumed: fresh moments
+        sender = None
+        if args.weights == "gloo":
+            sender = gloo_sender(f"http://127.0.0.1:{port}", timeout_s=args.timeout)
         t0 = time.monotonic()
         train(run_dir, model, opt, args.steps, max_off_policy=cfg.follow.max_off_policy_steps,
               timeout=args.timeout, layout=args.layout, budget=args.budget,
               sampling={"temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
-                        "top_k": cfg.sampling.top_k}, lora=args.lora)
+                        "top_k": cfg.sampling.top_k}, lora=args.lora, sender=sender)
+        if sender is not None:
+            sender.close()
+            publish_weights(run_dir / "trained", args.steps, model)  # the only copy on disk: for the evaluation
         finished = True
         done.set()
         print(f"trained {args.steps - start} steps in {time.monotonic() - t0:.0f} s", flush=True)
@@ -405,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     print(plot(run_dir, run_dir / "reward.png"), flush=True)
     if args.eval_tasks:
         tasks = held_out_tasks(cfg, args.eval_tasks, args.eval_seed)
-        final = broadcast_dir(run_dir, args.steps)
+        final = broadcast_dir(run_dir / "trained" if args.weights == "gloo" else run_dir, args.steps)
         result = evaluate(cfg, tasks, {"base": (None, 0), f"step_{args.steps}": (str(final), args.steps)},
                           args.threads)
         result["tasks"] = len(tasks)

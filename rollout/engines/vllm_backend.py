@@ -31,6 +31,10 @@ What it sends to vLLM (see docs/engines.md and the vLLM 0.33 notes):
   label moves on (``update_weight_version``), and they resume under the new weights on the KV the old ones
   computed. vLLM reports which tokens each label sampled (``CompletionOutput.weight_versions`` spans), read back
   as ``token_versions``. New requests never reuse an old version's prefix blocks: the cache salt is the version.
+* Weights over the wire (``weight_transfer="gloo"``, vLLM's weight-transfer routes): tensors are received in this
+  process by rollout/engines/weight_transfer.py's GlooReceiver into a staging copy while vLLM generates, checked
+  at finish, then reloaded in place with the running requests frozen (``tito_reload_tensors``: vLLM's
+  ``reload_weights(weights_iterator)`` in its worker, the tied lm_head refreshed); see the section below.
 * Greedy with ``n > 1``: vLLM refuses it ("n must be 1 when using greedy sampling"); the protocol promises n
   identical completions, so the backend samples once and returns n copies (greedy decoding is deterministic;
   copying is also exact where batched kernels are not).
@@ -90,6 +94,13 @@ from rollout.engines.protocol import (
     TokenLogprobs,
     Unsupported,
     validate_request,
+)
+from rollout.engines.weight_transfer import (
+    DEFAULT_TIMEOUT_S,
+    GlooReceiver,
+    WeightTransfer,
+    parse_init_info,
+    parse_update_info,
 )
 
 
@@ -179,6 +190,14 @@ def cache_salt(version: int) -> str:
     return f"tito-w{version}"
 
 
+def _as_bytes(staged: Mapping[str, Any]) -> list[tuple[str, str, list[int], bytes]]:
+    """Staged tensors as (name, dtype, shape, raw bytes) for vLLM's RPC (vllm_worker.py rebuilds them)."""
+    import torch
+
+    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape),
+             t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for name, t in staged.items()]
+
+
 def _eos_ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -223,6 +242,8 @@ class VLLMEngine:
         update_pause_mode: Literal["wait", "abort"] = "wait",
         cpu_kvcache_gib: int = 2,
         engine_args: Mapping[str, Any] | None = None,
+        weight_transfer: WeightTransfer = "none",
+        weight_transfer_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         import os
 
@@ -252,6 +273,9 @@ class VLLMEngine:
             self._dead_errors: tuple[type[BaseException], ...] = (EngineDeadError,)
         except ImportError:  # pragma: no cover - every vLLM v1 has it
             self._dead_errors = ()
+        if weight_transfer not in ("none", "gloo"):
+            raise EngineError(f"engine.weight_transfer: {weight_transfer!r} is not built for the vllm backend in tito "
+                              "(gloo is; vLLM's own NCCL engine is not wired yet)", "weight_transfer")
         if update_pause_mode not in ("wait", "abort"):
             raise ValueError(f"update_pause_mode must be 'wait' or 'abort', got {update_pause_mode!r}")
         extra = dict(engine_args or {})
@@ -326,6 +350,8 @@ class VLLMEngine:
         self._lora_running: dict[str, int] = {}
         self._lora_open: dict[str, asyncio.Event] = {}
         self._lora_ids = 0
+        # weights over the wire (gloo): received in this process while vLLM serves, swapped in by its reload
+        self._wire = GlooReceiver({}, weight_transfer_timeout_s) if weight_transfer == "gloo" else None
 
     @classmethod
     async def create(cls, model: str, **kwargs: Any) -> VLLMEngine:
@@ -534,6 +560,92 @@ class VLLMEngine:
     def close(self) -> None:
         """Shut vLLM's engine core down."""
         self._engine.shutdown()
+
+    # -- weights over the wire (vLLM's weight-transfer calls; rollout/engines/weight_transfer.py) ----------------
+    # The trainer's tensors are received here, in tito's engine process, by the same GlooReceiver as the embedded
+    # engine's, into a staging copy while vLLM keeps generating; finish checks them, then freezes the running
+    # requests (pause mode keep) and hands them to vLLM's in-place reload (``reload_weights(weights_iterator)``, its
+    # checkpoint reload's own path, the tied lm_head refreshed after it). vLLM's engine core never waits on the
+    # trainer's sockets: a trainer that never joins or dies mid-transfer costs it nothing (a collective inside
+    # vLLM's engine core would block its scheduling for the whole wait, and its failure can end the engine core).
+
+    def _receiver(self) -> GlooReceiver:
+        if self._wire is None:
+            raise Unsupported("weight transfer is off on this engine: start it with engine.weight_transfer: gloo")
+        if not self._wire.expected:  # the names, shapes and dtypes a received tensor is checked against
+            weights = model_weights_dir(self._model)
+            if weights is None:
+                raise Unsupported(f"weights over the wire need the served model's safetensors directory to check "
+                                  f"what arrives; none was found for {self._model!r}")
+            self._wire.expected = expected_from_dir(weights)
+        return self._wire
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        receiver = self._receiver()
+        await asyncio.to_thread(receiver.join, parse_init_info(init_info))
+
+    async def start_weight_update(self) -> None:
+        self._receiver().start()
+
+    async def receive_weights(self, update_info: dict) -> dict:
+        receiver = self._receiver()
+        return await asyncio.to_thread(receiver.receive, parse_update_info(update_info))
+
+    async def check_weight_update(self) -> None:
+        receiver = self._receiver()
+        await asyncio.to_thread(receiver.check)
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Reload the staged tensors in place with the running requests frozen, not drained (their later tokens
+        carry ``version``: vLLM's weight_versions spans), then resume."""
+        staged = self._receiver().take()
+        await self._label_version()
+        async with self._update_lock:
+            self._open.clear()
+            try:
+                await self._engine.pause_generation(mode="keep", clear_cache=False)
+                try:
+                    if not self._extension:
+                        raise Unsupported("weights over the wire need tito's vLLM worker extension "
+                                          "(engine_args.worker_extension_cls was replaced)")
+                    tensors = await asyncio.to_thread(_as_bytes, staged)
+                    await self._engine.collective_rpc("tito_reload_tensors", args=(tensors,))
+                    await self._engine.update_weight_version(str(int(version)))
+                    self._version = int(version)
+                    self._served_dir = None  # no directory holds these weights
+                finally:
+                    await self._engine.resume_generation()
+            finally:
+                self._open.set()
+
+    async def set_weight_version(self, version: int) -> None:
+        await self._label_version()
+        await self._engine.update_weight_version(str(int(version)))
+        self._version = int(version)
+
+    async def abort_weight_update(self) -> None:
+        if self._wire is not None:
+            self._wire.abort()
+
+    async def shutdown_weight_transfer(self) -> None:
+        if self._wire is not None:
+            await asyncio.to_thread(self._wire.shutdown)
+
+    async def weight_checksums(self, dp_index: int = 0) -> dict[str, str]:
+        """vLLM's own checksums of its workers' parameters (its names: fused ``qkv_proj`` ...), keyed as this
+        engine's data-parallel rank ``dp_index`` of the fleet."""
+        out: dict[str, str] = {}
+        for sums in await self._engine.compute_weight_checksums():
+            for key, digest in sums.items():
+                _, _, rest = key.partition(":")
+                out[f"dp{dp_index}:{rest}"] = digest
+        return out
+
+    async def reset_weights(self) -> None:
+        """vLLM's /weight_checker reset: every parameter zeroed (its workers' ``reset_weights``)."""
+        async with self._update_lock:
+            await self._engine.collective_rpc("reset_weights")
+            self._served_dir = None
 
     # -- admin: prefix cache, sleep / wake_up, world size (the server's admin routes) ------------------------
 
