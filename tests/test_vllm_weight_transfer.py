@@ -123,3 +123,41 @@ def test_tito_helper_sends_the_whole_model_with_a_tied_lm_head(server, base_stat
     assert sent["finish"]["weight_version"] == str(version)
     _matches(server, new, model, version)
     model.load_state_dict(base)
+
+
+def test_vllms_own_http_weight_sync_client_drives_the_routes(server, base_state):  # noqa: F811
+    """vLLM's trainer-side control plane (``vllm.distributed.weight_transfer.clients.HTTPVLLMWeightSyncClient``,
+    what its TrainerWeightTransferEngines call) sends its own bytes: a bodiless ``/start_weight_update``, and
+    ``/finish_weight_update`` with a string version. The tensors go over the trainer's gloo group meanwhile."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    model, base = base_state
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=120)
+    trainer = PlainTrainer(server)
+    info = {"master_address": "127.0.0.1", "master_port": trainer.port, "rank_offset": 1,
+            "world_size": trainer.world}
+    import datetime
+
+    import torch.distributed as dist
+
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(client.init_weight_transfer_engine, info)
+        store = dist.TCPStore("127.0.0.1", trainer.port, trainer.world, True, timeout=datetime.timedelta(seconds=30))
+        group = dist.ProcessGroupGloo(store, 0, trainer.world, datetime.timedelta(seconds=30))
+        joined.result()
+    version = served_version(server) + 1
+    new = _perturbed(base, 0.8)
+    sent = {"model.norm.weight": new["model.norm.weight"]}
+    client.start_weight_update()
+    with ThreadPoolExecutor(1) as pool:
+        answered = pool.submit(client.update_weights, {"names": list(sent), "dtype_names": ["float32"],
+                                                       "shapes": [list(sent["model.norm.weight"].shape)]})
+        group.broadcast(sent["model.norm.weight"].contiguous(), 0).wait()
+        answered.result()
+    client.finish_weight_update(str(version))
+    assert served_version(server) == version
+    _matches(server, {**base, **sent}, model, version)
+    client.shutdown_weight_transfer_engine()
+    model.load_state_dict(base)
