@@ -459,8 +459,12 @@ def main(argv: list[str] | None = None) -> int:
               sampling={"temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
                         "top_k": cfg.sampling.top_k}, lora=args.lora, sender=sender)
         if sender is not None:
-            sender.close()
             publish_weights(run_dir / "trained", args.steps, model)  # the only copy on disk: for the evaluation
+            try:
+                sender.close()
+            except Exception:
+                if not is_sealed(run_dir, args.steps):  # a service that sealed its last batch has left: fine
+                    raise
         finished = True
         done.set()
         print(f"trained {args.steps - start} steps in {time.monotonic() - t0:.0f} s", flush=True)
