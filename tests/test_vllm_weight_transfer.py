@@ -148,16 +148,16 @@ def test_vllms_own_http_weight_sync_client_drives_the_routes(server, base_state)
         group = dist.ProcessGroupGloo(store, 0, trainer.world, datetime.timedelta(seconds=30))
         joined.result()
     version = served_version(server) + 1
-    new = _perturbed(base, 0.8)
-    sent = {"model.norm.weight": new["model.norm.weight"]}
+    sent = _perturbed(base, 0.8)  # every tensor: whatever an earlier test left served is replaced
     client.start_weight_update()
     with ThreadPoolExecutor(1) as pool:
-        answered = pool.submit(client.update_weights, {"names": list(sent), "dtype_names": ["float32"],
-                                                       "shapes": [list(sent["model.norm.weight"].shape)]})
-        group.broadcast(sent["model.norm.weight"].contiguous(), 0).wait()
+        answered = pool.submit(client.update_weights, {"names": list(sent), "dtype_names": ["float32"] * len(sent),
+                                                       "shapes": [list(t.shape) for t in sent.values()]})
+        for t in sent.values():
+            group.broadcast(t.contiguous(), 0).wait()
         answered.result()
     client.finish_weight_update(str(version))
     assert served_version(server) == version
-    _matches(server, {**base, **sent}, model, version)
+    _matches(server, sent, model, version)
     client.shutdown_weight_transfer_engine()
     model.load_state_dict(base)
