@@ -55,21 +55,37 @@ def assistant_message(renderer: RendersWhole, completion: list[int], tools: list
     return renderer.parse_response(completion, tools=tools).to_message(renderer.history_arguments)
 
 
-def as_sampled(renderer: RendersWhole, message: dict, completion: list[int]) -> list[dict]:
+def as_sampled(renderer: RendersWhole, message: dict, completion: list[int],
+               prompt: list[int] | None = None) -> list[dict]:
     """:func:`assistant_message`'s ``message`` with its text as sampled, where the parse stripped it (see
-    :func:`exact_texts`), never ``message`` itself; empty where the parse stripped nothing."""
+    :func:`exact_texts`), never ``message`` itself; empty where the parse stripped nothing.
+
+    The text is read two ways, each a candidate (the caller's re-render against the sampled ids decides):
+    the completion decoded alone, and decoded after the prompt's last tokens. A SentencePiece decoder drops
+    the space of the first "▁" it decodes, so alone a reply the model opened with a space (" C++", the
+    first token "▁C") reads "C++"; after the prompt's text (a ``[/INST]`` spelled in plain tokens) it
+    keeps it. Which is the reply's own text only a render can tell."""
     end = len(completion)
     while end and completion[end - 1] in renderer.stop_token_ids:
         end -= 1
-    text = renderer.tokenizer.decode(completion[:end])
+    texts = [renderer.tokenizer.decode(completion[:end])]
+    if prompt:
+        context = list(prompt[-4:])
+        before = renderer.tokenizer.decode(context)
+        joined = renderer.tokenizer.decode([*context, *completion[:end]])
+        if joined.startswith(before) and joined[len(before):] != texts[0]:
+            texts.append(joined[len(before):])
     # the template's own text around the reply: SentencePiece Mistral's space after [/INST], Llama 2's
     # space before </s>
     head, gap = renderer.probe.reply_head, renderer.probe.close_gap
-    if head and text.startswith(head):
-        text = text[len(head) :]
-    if gap and text.endswith(gap):
-        text = text[: len(text) - len(gap)]
-    return [m for m in exact_texts(message, text) if m != message]
+    out: list[dict] = []
+    for text in texts:
+        if head and text.startswith(head):
+            text = text[len(head) :]
+        if gap and text.endswith(gap):
+            text = text[: len(text) - len(gap)]
+        out += [m for m in exact_texts(message, text) if m != message and m not in out]
+    return out
 
 
 def exact_texts(message: dict, sampled: str) -> list[dict]:

@@ -148,7 +148,7 @@ class GenericBridge:
         strips it; renderers/full_bridge.py ``as_sampled``): either is checked on the sampled ids."""
         result = full_bridge(self, prompt, completion, history, assistant, msgs, tools, closing_ids, why)
         if isinstance(result, Break):
-            for exact in as_sampled(self, assistant, completion):
+            for exact in as_sampled(self, assistant, completion, prompt):
                 retry = full_bridge(self, prompt, completion, history, exact, msgs, tools, closing_ids, why)
                 if isinstance(retry, Bridged):
                     return retry

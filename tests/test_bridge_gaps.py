@@ -199,3 +199,28 @@ def test_a_converted_shipped_tokenizer_encodes_as_mistral_common(name: str) -> N
     from .shipped_mistral import mismatches, texts
 
     assert mismatches(name, texts(150, seed=3)) == []
+
+
+@pytest.mark.parametrize("version", ["mistral-v2", "mistral-v3", "mistral-v7"])
+@pytest.mark.parametrize("reply", [" 4", "  4", " 4\n", "\t4 ", " 4\u00a0"])
+def test_a_reply_opening_with_a_space_bridges_on_a_plain_text_inst_vocabulary(version: str, reply: str) -> None:
+    """mistral-common's v2-v7 templates on its shipped SentencePiece v1 file, where ``[INST]`` and ``[/INST]``
+    are plain text: a reply the model opened with a space samples ``▁4`` right after ``]``, and the reply
+    decoded alone reads ``4`` (the decoder drops its first dummy-prefix space), so the re-render with the
+    stripped text gave other ids: a needless Break (issue 43). Decoded after the prompt's last tokens it
+    keeps the space; transformers' render is the judge."""
+    import functools
+
+    from .bridge_gaps import mistral_configs, mistral_template
+
+    config = dict(mistral_configs())[version]
+    entry = Entry(f"{version}@spm-v1", "shipped:spm-v1", functools.partial(mistral_template, **config),
+                  kind="mistral", string_args=True)
+    user, answer, new = ({"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": reply},
+                         {"role": "user", "content": "And 3+3?"})
+    prompt, completion = _turn(entry, [user], answer)
+    expected = _ids(entry, [user, answer, new])
+    assert expected[: len(prompt) + len(completion)] == prompt + completion  # append-only: a Break is needless
+    result = entry.renderer().bridge(prompt, completion, [new])
+    assert isinstance(result, Bridged), result
+    assert result.token_ids == expected
