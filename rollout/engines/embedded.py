@@ -73,6 +73,7 @@ from .weight_transfer import (
     DEFAULT_TIMEOUT_S,
     GlooReceiver,
     WeightTransfer,
+    in_background,
     parse_init_info,
     parse_update_info,
     tensor_checksums,
@@ -321,7 +322,7 @@ class EmbeddedEngine:
         """Join the trainer's gloo group as rank ``init_info["rank_offset"]`` (blocks until the trainer is there,
         at most the timeout); the engine serves meanwhile."""
         receiver = self._receiver()
-        await asyncio.to_thread(receiver.join, parse_init_info(init_info))
+        await in_background(receiver.join, parse_init_info(init_info))
 
     async def start_weight_update(self) -> None:
         self._receiver().start()
@@ -330,13 +331,13 @@ class EmbeddedEngine:
         """Receive the announced tensors into the staging copy, on a thread of its own: the engine keeps serving the
         weights it has while they arrive."""
         receiver = self._receiver()
-        return await asyncio.to_thread(receiver.receive, parse_update_info(update_info))
+        return await in_background(receiver.receive, parse_update_info(update_info))
 
     async def check_weight_update(self) -> None:
         """What arrived is finite (else the update is dropped, naming the tensor); then each tensor is made the
         served parameter's dtype and device here, off the step thread, so the swap only points at it."""
         receiver = self._receiver()
-        await asyncio.to_thread(self._prepare_staged, receiver)
+        await in_background(self._prepare_staged, receiver)
 
     def _prepare_staged(self, receiver: GlooReceiver) -> None:
         receiver.check()

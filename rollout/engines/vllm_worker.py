@@ -18,15 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 
-def _tensor(dtype: str, shape: list[int], data: Any) -> Any:
-    """A tensor from what crossed vLLM's RPC as (dtype name, shape, raw bytes): its msgpack carries bytes as they
-    are, where a torch tensor in an untyped argument would arrive as a bare list."""
-    import torch
-
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    return flat.view(getattr(torch, dtype)).reshape(shape)
-
-
 class TitoWorkerExtension:
     """Mixed into vLLM's Worker class (method names are prefixed ``tito_``: vLLM refuses an extension whose names
     collide with the Worker's own)."""
@@ -49,12 +40,3 @@ class TitoWorkerExtension:
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(lm_head)
         return True
-
-    def tito_reload_tensors(self, tensors: list) -> bool:
-        """vLLM's in-place reload (``reload_weights(weights_iterator)``, the path its checkpoint reload takes) of
-        the ``(name, dtype, shape, bytes)`` tensors a trainer sent tito over the wire, in checkpoint (Hugging Face)
-        names; then the tied lm_head refreshed. Returns what :meth:`tito_refresh_tied_lm_head` returns."""
-        weights = [(name, _tensor(dtype, shape, data)) for name, dtype, shape, data in tensors]
-        self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
-        return self.tito_refresh_tied_lm_head()
-
