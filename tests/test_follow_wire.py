@@ -69,13 +69,14 @@ def test_weights_pushed_mid_turn_are_served_as_that_version_and_stamp_each_token
     model, base = base_state
     v1 = _perturbed(base, 1.3)
     run_dir = tmp_path / "run"
-    cfg = _wire_config(max_steps=2, max_off_policy_steps=0)
+    cfg = _wire_config(64, max_steps=2, max_off_policy_steps=0)
     sent: dict = {}
 
     def push(url: str) -> None:
         sender = GlooWeightSender(url, timeout_s=TIMEOUT_S)
         sender.init()
-        sent.update(sender.send(list(v1.items()), version=1))
+        # the tensor that changed (a partial update, as vLLM allows): small, so it lands while the turns run
+        sent.update(sender.send([("model.norm.weight", v1["model.norm.weight"])], version=1))
         status, info = _call(url, "GET", "/weight_info")
         sent["info"] = (status, info)
         sender.close()
@@ -96,7 +97,7 @@ def test_weights_pushed_mid_turn_are_served_as_that_version_and_stamp_each_token
     h, sealed = asyncio.run(main())
     h.service.close()
     assert sealed == 2, h.lines
-    assert sent["tensors"] == len(v1) and sent["finish"]["weight_version"] == "1"
+    assert sent["tensors"] == 1 and sent["finish"]["weight_version"] == "1"
     assert sent["info"] == (200, {"weight_version": "1"})
     rows = {k: load_samples(layout.step_dir(run_dir, k)) for k in (1, 2)}
     assert h.driver.resumed_turns >= 1, h.lines  # abort_resume: turns stopped by the swap went on under v1

@@ -42,7 +42,7 @@ from ..serve.guard import Guard
 from ..serve.metrics import Metrics, server_metrics
 from ..serve.schemas import BadRequest
 from ..serve.state import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
-from .service import WeightFollower
+from .weights import WeightFollower
 
 
 def bind_listener(listen: str) -> socket.socket:
