@@ -281,6 +281,11 @@ def shipped_entries() -> list[Entry]:
             if version == config["version"] and (kind == "spm") == config["spm"]:
                 out.append(Entry(f"{name}@{short}", f"shipped:{short}", functools.partial(mistral_template, **config),
                                  kind="mistral", string_args=True))
+        # the later [INST] templates on the v1 file, where [INST] and [/INST] are plain text (issue 43: a reply
+        # opening with a space there read without it, and broke)
+        if config["version"] in ("v2", "v3", "v7", "v11"):
+            out.append(Entry(f"{name}@spm-v1-text", "shipped:spm-v1", functools.partial(mistral_template, **config),
+                             kind="mistral", string_args=True))
     return out
 
 
@@ -309,18 +314,26 @@ TOOL_DEFS = [
 ]
 
 
+# whitespace a content may open or close with: spaces, a tab, newlines (LF, CRLF), no-break and ideographic spaces
+EDGES = (" ", "  ", "\t", "\n", "\n\n", "\r\n", " \n", "\u00a0", "\u3000")
+
+
 class _Gen:
     def __init__(self, seed: int, string_args: bool = False) -> None:
         self.r = random.Random(seed)
         self.string_args = string_args
 
     def text(self) -> str:
+        """Words, now and then empty or with whitespace at an edge (issue 43: each kind, alone or on both
+        edges), where tokenizers that merge a space or newline into the next word break needlessly."""
         r = self.r
+        if r.random() < 0.05:
+            return ""
         s = " ".join(r.choice(WORDS) for _ in range(r.randint(1, 6)))
-        if r.random() < 0.15:
-            s = r.choice((" ", "\n")) + s
-        if r.random() < 0.15:
-            s += r.choice((" ", "\n", "\n\n"))
+        if r.random() < 0.25:
+            s = r.choice(EDGES) + s
+        if r.random() < 0.25:
+            s += r.choice(EDGES)
         return s
 
     def call_id(self) -> str:  # Mistral's templates take 9 alphanumerics

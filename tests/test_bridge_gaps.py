@@ -20,6 +20,7 @@ SAMPLE = [
     "llama-2+system-at-last", "llama-3.1+no-gp", "llama-3.1",
     # mistral-common's own shipped tokenizer files (tests/shipped_mistral.py)
     "mistral-v2-spm@spm-v2", "mistral-v7-spm@spm-v7", "mistral-v3@tekken-240718",
+    "mistral-v3@spm-v1-text", "mistral-v7@spm-v1-text",  # [INST] as plain text: issue 43
 ]
 
 
