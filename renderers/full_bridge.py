@@ -41,6 +41,8 @@ class RendersWhole(Protocol):
 
     def _render_tokens(self, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> RenderedTokens: ...
 
+    def _try_text(self, msgs: list[dict], tools: list[dict] | None, agp: bool) -> str | None: ...
+
 
 def assistant_message(renderer: RendersWhole, completion: list[int], tools: list[dict] | None) -> dict:
     """The sampled turn as the message a re-render uses: parsed, tool-call arguments in the form the
@@ -58,13 +60,21 @@ def assistant_message(renderer: RendersWhole, completion: list[int], tools: list
 def as_sampled(renderer: RendersWhole, message: dict, completion: list[int],
                prompt: list[int] | None = None) -> list[dict]:
     """:func:`assistant_message`'s ``message`` with its text as sampled, where the parse stripped it (see
-    :func:`exact_texts`), never ``message`` itself; empty where the parse stripped nothing.
+    :func:`exact_texts`), never ``message`` itself; empty where the parse stripped nothing. The texts are
+    :func:`sampled_texts`."""
+    out: list[dict] = []
+    for text in sampled_texts(renderer, completion, prompt):
+        out += [m for m in exact_texts(message, text) if m != message and m not in out]
+    return out
 
-    The text is read two ways, each a candidate (the caller's re-render against the sampled ids decides):
-    the completion decoded alone, and decoded after the prompt's last tokens. A SentencePiece decoder drops
-    the space of the first "▁" it decodes, so alone a reply the model opened with a space (" C++", the
-    first token "▁C") reads "C++"; after the prompt's text (a ``[/INST]`` spelled in plain tokens) it
-    keeps it. Which is the reply's own text only a render can tell."""
+
+def sampled_texts(renderer: RendersWhole, completion: list[int], prompt: list[int] | None = None) -> list[str]:
+    """The reply's text as sampled (its stop tokens and the template's own text around it removed), read
+    two ways, each a candidate (the caller's re-render against the sampled ids decides): the completion
+    decoded alone, and decoded after the prompt's last tokens. A SentencePiece decoder drops the space of
+    the first "▁" it decodes, so alone a reply the model opened with a space (" C++", the first token
+    "▁C") reads "C++"; after the prompt's text (a ``[/INST]`` spelled in plain tokens) it keeps it. Which
+    is the reply's own text only a render can tell."""
     end = len(completion)
     while end and completion[end - 1] in renderer.stop_token_ids:
         end -= 1
@@ -78,14 +88,45 @@ def as_sampled(renderer: RendersWhole, message: dict, completion: list[int],
     # the template's own text around the reply: SentencePiece Mistral's space after [/INST], Llama 2's
     # space before </s>
     head, gap = renderer.probe.reply_head, renderer.probe.close_gap
-    out: list[dict] = []
+    out: list[str] = []
     for text in texts:
         if head and text.startswith(head):
             text = text[len(head) :]
         if gap and text.endswith(gap):
             text = text[: len(text) - len(gap)]
-        out += [m for m in exact_texts(message, text) if m != message and m not in out]
+        if text not in out:
+            out.append(text)
     return out
+
+
+def stripped_edge(renderer: RendersWhole, prompt: list[int], completion: list[int], history: list[dict],
+                  message: dict, msgs: list[dict], tools: list[dict] | None) -> str | None:
+    """Why the sampled turn cannot come back when the template strips whitespace the model sampled at an
+    edge of its reply: the template renders the conversation the same with and without that whitespace,
+    so no render holds the sampled ids (Llama 2's ``content.strip()``, Llama 3's ``| trim``). None where
+    the reply has no such edge, or the template keeps it. Checked on the template's text, only after a
+    bridge failed (for the Break's reason)."""
+    if "tool_calls" in message or "reasoning_content" in message:
+        return None
+    k = len(history)
+    for text in sampled_texts(renderer, completion, prompt):
+        if text == text.strip():
+            continue
+
+        def render(content: str) -> str | None:
+            return renderer._try_text([*history, {**message, "content": content}, *msgs], tools, True)
+
+        full = render(text)
+        if full is None:
+            continue
+        edges = [name for name, cut in (("opening", text.lstrip()), ("end", text.rstrip())) if cut != text and render(cut) == full]
+        if edges:
+            lead, trail = text[: len(text) - len(text.lstrip())], text[len(text.rstrip()) :]
+            what = {"opening": f"the {lead!r} opening", "end": f"the {trail!r} ending"}
+            return (f"message {k} (assistant, the sampled turn): the template strips "
+                    f"{' and '.join(what[e] for e in edges)} of its reply, rendering the same text without it, "
+                    "so no render holds the sampled ids")
+    return None
 
 
 def exact_texts(message: dict, sampled: str) -> list[dict]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from .base import TemplateRejected, bridged, empty_prompt_break
 from .dialects import dialect_for
-from .full_bridge import as_sampled, assistant_message, full_bridge
+from .full_bridge import as_sampled, assistant_message, full_bridge, stripped_edge
 from .long_pieces import encode_pieces
 from .messages import MessageError, normalize_messages
 from .probe import PROBE_CALL, SENT_ASSISTANT, SENT_USER, call_id, closers, splice_point
@@ -152,6 +152,10 @@ class GenericBridge:
                 retry = full_bridge(self, prompt, completion, history, exact, msgs, tools, closing_ids, why)
                 if isinstance(retry, Bridged):
                     return retry
+            if result.reason is BreakReason.TEMPLATE_NOT_APPEND_ONLY and (result.position or 0) >= len(prompt):
+                stripped = stripped_edge(self, prompt, completion, history, assistant, msgs, tools)
+                if stripped is not None:
+                    return Break(BreakReason.EDGE_WHITESPACE_STRIPPED, stripped, result.position)
         return result
 
     def _bridge_readings(self, prompt, completion, readings, msgs, tools, closing_ids, why) -> Bridged | Break:

@@ -36,6 +36,7 @@ import json
 import re
 from typing import Any, Protocol
 
+from .annotate import DEFUSE_CANDIDATES
 from .base import TemplateRejected
 from .full_bridge import RendersWhole, exact_texts
 from .messages import MessageError
@@ -87,15 +88,73 @@ def recover_conversations(renderer: Recovers, prompt: list[int], tools: list[dic
     # A SentencePiece tokenizer that puts its dummy prefix on every run between added tokens decodes to
     # a text with one space too many after each added token: the runs' own text is a second reading.
     runs = renderer.tokenizer.decode_runs(prompt)
-    return _recover(renderer, prompt, runs, gp, tools) if runs != text else []
+    if runs != text and (proven := _recover(renderer, prompt, runs, gp, tools)):
+        return proven
+    # A message text that holds a marker's text as plain tokens (a user who typed "[/INST]") reads, in the
+    # decoded text, as the template's marker: the walk would end the message there. The runs' text with
+    # those copies defused is a third reading, the defusing taken out again before the proof.
+    defused = _defused_runs(renderer, prompt)
+    if defused is None:
+        return []
+    runs, char = defused
+    return _recover(renderer, prompt, runs, gp, tools, restore=lambda conv: _without(conv, char))
 
 
-def _recover(renderer: Recovers, prompt: list[int], text: str, gp: str, tools: list[dict] | None) -> list[list[dict]]:
+def _defused_runs(renderer: Recovers, prompt: list[int]) -> tuple[str, str] | None:
+    """The prompt's text run by run (:meth:`Tokenizer.decode_runs`) with a character inserted after the
+    first character of every marker string a run of plain tokens decodes to, and that character; None
+    where no run holds one."""
+    tok, added = renderer.tokenizer, renderer._added_re
+    if added is None:
+        return None
+    pieces: list[str] = []
+    run: list[int] = []
+    found = False
+    char = next((c for c in DEFUSE_CANDIDATES if c not in tok.decode_runs(prompt)), None)
+    if char is None:
+        return None
+
+    def flush() -> None:
+        nonlocal found
+        if run:
+            piece = tok.backend.decode(run, skip_special_tokens=False)
+            fused = added.sub(lambda m: m.group()[0] + char + m.group()[1:], piece)
+            found = found or fused != piece
+            pieces.append(fused)
+            run.clear()
+
+    for i in prompt:
+        if i in tok.special_ids:
+            flush()
+            pieces.append(tok.backend.decode([i], skip_special_tokens=False))
+        else:
+            run.append(i)
+    flush()
+    return ("".join(pieces), char) if found else None
+
+
+def _without(value: Any, char: str) -> Any:
+    """``value`` (messages) with ``char`` taken out of every string."""
+    if isinstance(value, str):
+        return value.replace(char, "")
+    if isinstance(value, list):
+        return [_without(v, char) for v in value]
+    if isinstance(value, dict):
+        return {k: _without(v, char) for k, v in value.items()}
+    return value
+
+
+def _recover(renderer: Recovers, prompt: list[int], text: str, gp: str, tools: list[dict] | None,
+             restore=None) -> list[list[dict]]:
+    """The readings of ``text`` (a decoding of ``prompt``) proven on ``prompt``; ``restore``: what turns a
+    conversation read from ``text`` into the caller's (the defusing taken out)."""
     # (DeepSeek V3 appends no generation prompt after tool outputs)
     walk = _Walk(renderer, text, len(text) - len(gp) if text.endswith(gp) else len(text), tools)
     for messages in walk.conversations():
         proven: list[list[dict]] = []
         for conversation in _fits(renderer, messages, tools, text):
+            if restore is not None:
+                conversation = restore(conversation)
             try:
                 ids = renderer._render_tokens(conversation, tools, True).token_ids
             except (TemplateRejected, MessageError):

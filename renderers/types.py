@@ -107,6 +107,7 @@ class BreakReason(enum.StrEnum):
     NO_SPECIAL_TOKEN_ANCHOR = "no_special_token_anchor"
     SYSTEM_MESSAGE_MOVES = "system_message_moves"
     TEMPLATE_NOT_APPEND_ONLY = "template_not_append_only"
+    EDGE_WHITESPACE_STRIPPED = "edge_whitespace_stripped"  # the template strips whitespace the model sampled
     INVALID_MESSAGES = "invalid_messages"
     TEMPLATE_ERROR = "template_error"
     EMPTY_PREVIOUS_PROMPT = "empty_previous_prompt"

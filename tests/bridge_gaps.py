@@ -415,7 +415,11 @@ def cases(entry: Entry, convs, counts: dict) -> Iterator[BridgeCase]:
 def measure(entry: Entry, seed: int, n: int, examples: list | None = None) -> dict:
     """Bridge every case of ``conversations(seed, n)`` from ids alone on a fresh renderer; the counts (see
     the module docstring)."""
-    convs = conversations(seed, n, entry.string_args)
+    return measure_conversations(entry, conversations(seed, n, entry.string_args), examples)
+
+
+def measure_conversations(entry: Entry, convs, examples: list | None = None) -> dict:
+    """:func:`measure` on these conversations (``(messages, tools)`` pairs)."""
     c = {"turns": 0, "stable": 0, "breaks": 0, "needless": 0, "ambiguous": 0, "exact": 0, "wrong": 0, "drift": 0,
          "skipped": 0, "unequal": 0}
     for case in cases(entry, convs, c):
