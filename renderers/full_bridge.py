@@ -108,14 +108,12 @@ def stripped_edge(renderer: RendersWhole, prompt: list[int], completion: list[in
     bridge failed (for the Break's reason)."""
     if "tool_calls" in message or "reasoning_content" in message:
         return None
-    k = len(history)
+    def render(content: str) -> str | None:
+        return renderer._try_text([*history, {**message, "content": content}, *msgs], tools, True)
+
     for text in sampled_texts(renderer, completion, prompt):
         if text == text.strip():
             continue
-
-        def render(content: str) -> str | None:
-            return renderer._try_text([*history, {**message, "content": content}, *msgs], tools, True)
-
         full = render(text)
         if full is None:
             continue
@@ -123,7 +121,7 @@ def stripped_edge(renderer: RendersWhole, prompt: list[int], completion: list[in
         if edges:
             lead, trail = text[: len(text) - len(text.lstrip())], text[len(text.rstrip()) :]
             what = {"opening": f"the {lead!r} opening", "end": f"the {trail!r} ending"}
-            return (f"message {k} (assistant, the sampled turn): the template strips "
+            return (f"message {len(history)} (assistant, the sampled turn): the template strips "
                     f"{' and '.join(what[e] for e in edges)} of its reply, rendering the same text without it, "
                     "so no render holds the sampled ids")
     return None

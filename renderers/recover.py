@@ -36,7 +36,7 @@ import json
 import re
 from typing import Any, Protocol
 
-from .annotate import DEFUSE_CANDIDATES
+from .annotate import DEFUSE_CANDIDATES, defused
 from .base import TemplateRejected
 from .full_bridge import RendersWhole, exact_texts
 from .messages import MessageError
@@ -93,32 +93,30 @@ def recover_conversations(renderer: Recovers, prompt: list[int], tools: list[dic
     # A message text that holds a marker's text as plain tokens (a user who typed "[/INST]") reads, in the
     # decoded text, as the template's marker: the walk would end the message there. The runs' text with
     # those copies defused is a third reading, the defusing taken out again before the proof.
-    defused = _defused_runs(renderer, prompt)
-    if defused is None:
+    reading = _defused_runs(renderer, prompt, runs)
+    if reading is None:
         return []
-    runs, char = defused
-    return _recover(renderer, prompt, runs, gp, tools, restore=lambda conv: _without(conv, char))
+    text, char = reading
+    return _recover(renderer, prompt, text, gp, tools, restore=lambda conv: _without(conv, char))
 
 
-def _defused_runs(renderer: Recovers, prompt: list[int]) -> tuple[str, str] | None:
-    """The prompt's text run by run (:meth:`Tokenizer.decode_runs`) with a character inserted after the
-    first character of every marker string a run of plain tokens decodes to, and that character; None
-    where no run holds one."""
+def _defused_runs(renderer: Recovers, prompt: list[int], runs: str) -> tuple[str, str] | None:
+    """The prompt's text run by run (``runs``: :meth:`Tokenizer.decode_runs`) with every marker string a
+    run of plain tokens decodes to defused (renderers/annotate.py), and the defusing character; None where
+    no run holds one."""
     tok, added = renderer.tokenizer, renderer._added_re
-    if added is None:
+    char = next((c for c in DEFUSE_CANDIDATES if c not in runs), None)
+    if added is None or char is None:
         return None
     pieces: list[str] = []
     run: list[int] = []
     found = False
-    char = next((c for c in DEFUSE_CANDIDATES if c not in tok.decode_runs(prompt)), None)
-    if char is None:
-        return None
 
     def flush() -> None:
         nonlocal found
         if run:
             piece = tok.backend.decode(run, skip_special_tokens=False)
-            fused = added.sub(lambda m: m.group()[0] + char + m.group()[1:], piece)
+            fused = defused(piece, added, char)
             found = found or fused != piece
             pieces.append(fused)
             run.clear()
