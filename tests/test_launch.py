@@ -7,6 +7,7 @@ other people's runs included (issue 23)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -30,10 +31,14 @@ VENV_BIN = Path(sys.executable).parent
 LAUNCH = [sys.executable, "scripts/launch_rollouts.py"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: every socket is held open until all are chosen, so the kernel cannot hand
+    the same port out twice (one at a time, a port freed by the first pick can be the next pick)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _processes() -> dict[int, tuple[int, int]]:
@@ -82,11 +87,12 @@ def ray_head() -> Iterator[str]:
     """A Ray head of this test's own; yields its job server's address."""
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths have a length limit
-    dash = _free_port()
-    # every port of its own: the defaults (client server 10001, agent 52365) collide with any other head here
-    start = [str(VENV_BIN / "ray"), "start", "--head", f"--port={_free_port()}", f"--temp-dir={temp_dir}",
+    # every port of its own and distinct: the defaults (client server 10001, agent 52365) collide with any other
+    # head here, and four one-at-a-time picks once gave the dashboard and its agent the same port
+    gcs, dash, client, agent = _free_ports(4)
+    start = [str(VENV_BIN / "ray"), "start", "--head", f"--port={gcs}", f"--temp-dir={temp_dir}",
              "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
-             f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+             f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
              "--num-cpus=2", "--disable-usage-stats"]  # fmt: skip
     # a new session: `ray start` leads it, every process it starts inherits it, and its id stays reserved
     # (the kernel does not reuse a pid that still names a session) while any of them lives
