@@ -78,8 +78,14 @@ def _stop_renderer_when(cmd: list[str], ray_dir: str, ready: str) -> tuple[int, 
 
 def test_a_stopped_renderer_stops_the_follow_service_in_one_line_within_its_bound(tmp_path, ray_tmp):  # noqa: F811
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "actors.cli", "run", _config(tmp_path), "--follow", str(run)]
+    # a healthy renderer must answer within the 3 s bound on a loaded 2-core CI machine: with the default 64
+    # rollouts at once (and every batch admitted, nothing gating them) its queue once passed 3 s before batch 1
+    # sealed, so the run stopped before the renderer was stopped at all ("0 batches sealed")
+    cfg = _config(tmp_path, max_concurrent_rollouts=4,
+                  follow={"groups_per_step": 1, "max_steps": 40, "max_off_policy_steps": 1000, "poll_interval_s": 0.1})
+    cmd = [sys.executable, "-m", "actors.cli", "run", cfg, "--follow", str(run)]
     rc, err, took = _stop_renderer_when(cmd, ray_tmp, "batch 2 sealed")
+    assert took > 0, f"the run ended before batch 2 sealed, before its renderer was stopped:\n{err[-3000:]}"
     assert rc == 4, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     last = err.rstrip("\n").splitlines()[-1]
