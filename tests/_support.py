@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -442,3 +443,13 @@ class AwakeClock:
         self._stop.set()
         self._thread.join()
         return self._awake
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports: every socket is held open until all are chosen, so the kernel cannot
+    hand the same port out twice (one at a time, a port freed by the first pick can be the next pick)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]

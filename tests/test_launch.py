@@ -7,13 +7,11 @@ other people's runs included (issue 23)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,20 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from ._support import REPO, tokenizer_dir
+from ._support import REPO, free_ports, tokenizer_dir
 
 VENV_BIN = Path(sys.executable).parent
 LAUNCH = [sys.executable, "scripts/launch_rollouts.py"]
 
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports: every socket is held open until all are chosen, so the kernel cannot hand
-    the same port out twice (one at a time, a port freed by the first pick can be the next pick)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def _processes() -> dict[int, tuple[int, int]]:
@@ -89,7 +78,7 @@ def ray_head() -> Iterator[str]:
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths have a length limit
     # every port of its own and distinct: the defaults (client server 10001, agent 52365) collide with any other
     # head here, and four one-at-a-time picks once gave the dashboard and its agent the same port
-    gcs, dash, client, agent = _free_ports(4)
+    gcs, dash, client, agent = free_ports(4)
     start = [str(VENV_BIN / "ray"), "start", "--head", f"--port={gcs}", f"--temp-dir={temp_dir}",
              "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
              f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",

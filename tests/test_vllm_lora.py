@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests._support import http_call, logprobs_of, write_adapter
+from tests._support import free_ports, http_call, logprobs_of, write_adapter
 from tests._vllm import MAX_MODEL_LEN, model_dir, needs_vllm
-from tests.test_vllm_serve import Server, _free_port
+from tests.test_vllm_serve import Server
 
 pytestmark = needs_vllm
 NAME = "smollm2-135m"
@@ -44,7 +44,7 @@ def servers(tmp_path_factory, root, refs):
     logs = tmp_path_factory.mktemp("lora-servers")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "1",
            "NO_COLOR": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-    vport, tport = _free_port(), _free_port()
+    vport, tport = free_ports(2)
     vllm = Server("vLLM's server", [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", NAME,
         "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--enable-scale-out",

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from tests._support import free_ports
 from tests._vllm import MAX_MODEL_LEN, model_dir, needs_vllm
 
 pytestmark = needs_vllm
@@ -55,9 +55,7 @@ DIFFERENCES: dict[tuple[str, str], str] = {
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def _call(base: str, method: str, path: str, body: Any = None, timeout: float = 300) -> tuple[int, Any]:
@@ -113,7 +111,7 @@ def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("servers")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "2",
            "NO_COLOR": "1"}
-    vport, tport = _free_port(), _free_port()
+    vport, tport = free_ports(2)
     vllm = Server("vLLM's server", [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", NAME,
         "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
